@@ -1,0 +1,3 @@
+from lever_actors.cli import main
+
+raise SystemExit(main())
