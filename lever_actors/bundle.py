@@ -1,0 +1,212 @@
+"""The on-disk bundle: manifest, resident part and flash file.
+
+Layout of a bundle directory::
+
+    manifest.json    format version, dims, tokenizer, every array's byte range and checksums
+    tokenizer.json   the tokenizers-library tokenizer (plus its spec in the manifest)
+    resident.bin     final norm + LM head, loaded into DRAM once
+    flash.bin        embedding rows (GGUF-native blocks, read a row at a time), then one
+                     region per decoder layer, 4 KiB aligned, holding the layer's arrays
+                     in exactly the layout the layer graph binds (no repacking per pass)
+
+A bundle is only valid once ``manifest.json`` exists: conversion writes into a
+temporary directory and renames it at the end.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from lever_actors.errors import ModelError
+from lever_actors.graphs import Dims, MatSpec
+
+FORMAT = "lever-bundle"
+FORMAT_VERSION = 1
+ALIGN = 4096  # flash regions: O_DIRECT needs page-aligned offsets and lengths
+ARRAY_ALIGN = 64  # arrays inside a region: cache-line aligned views
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    """A named array at ``offset`` inside its region."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def view(self, buf) -> np.ndarray:
+        return np.frombuffer(buf, dtype=self.dtype, count=int(np.prod(self.shape)), offset=self.offset).reshape(self.shape)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ArrayRef":
+        return cls(d["name"], d["dtype"], tuple(d["shape"]), int(d["offset"]))
+
+
+@dataclass(frozen=True)
+class Region:
+    """A contiguous byte range of a bundle file holding several arrays."""
+
+    file: str
+    offset: int
+    nbytes: int  # padded length (multiple of ALIGN for flash regions)
+    sha256: str
+    arrays: tuple[ArrayRef, ...]
+    mats: dict = field(default_factory=dict)  # matrix name -> MatSpec fields
+
+    def mat_specs(self) -> dict[str, MatSpec]:
+        return {k: MatSpec(**v) for k, v in self.mats.items()}
+
+    def views(self, buf) -> dict[str, np.ndarray]:
+        return {a.name: a.view(buf) for a in self.arrays}
+
+    def to_json(self) -> dict:
+        return {
+            "file": self.file, "offset": self.offset, "nbytes": self.nbytes, "sha256": self.sha256,
+            "arrays": [a.to_json() for a in self.arrays], "mats": self.mats,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Region":
+        return cls(d["file"], int(d["offset"]), int(d["nbytes"]), d["sha256"],
+                   tuple(ArrayRef.from_json(a) for a in d["arrays"]), d.get("mats", {}))
+
+
+class RegionWriter:
+    """Appends aligned regions of arrays to one file, hashing each region."""
+
+    def __init__(self, path: Path, name: str) -> None:
+        self.name = name
+        self.f = open(path, "wb")
+        self.pos = 0
+
+    def write(self, arrays: dict[str, np.ndarray], mats: dict | None = None) -> Region:
+        start = self.pos
+        h = hashlib.sha256()
+        refs = []
+        off = 0
+        chunks = []
+        for name, arr in arrays.items():
+            arr = np.ascontiguousarray(arr)
+            pad = align_up(off, ARRAY_ALIGN) - off
+            if pad:
+                chunks.append(b"\0" * pad)
+                off += pad
+            refs.append(ArrayRef(name, arr.dtype.str, tuple(arr.shape), off))
+            chunks.append(memoryview(arr).cast("B"))
+            off += arr.nbytes
+        total = align_up(off)
+        chunks.append(b"\0" * (total - off))
+        for c in chunks:
+            h.update(c)
+            self.f.write(c)
+        self.pos += total
+        return Region(self.name, start, total, h.hexdigest(), tuple(refs), mats or {})
+
+    def write_raw(self, data: np.ndarray) -> tuple[int, int, str]:
+        """Raw bytes at an aligned offset: (offset, padded length, sha256)."""
+        start = self.pos
+        b = memoryview(np.ascontiguousarray(data)).cast("B")
+        total = align_up(len(b))
+        h = hashlib.sha256(b)
+        pad = b"\0" * (total - len(b))
+        h.update(pad)
+        self.f.write(b)
+        self.f.write(pad)
+        self.pos += total
+        return start, total, h.hexdigest()
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A loaded manifest: everything needed to plan reads and build graphs."""
+
+    path: Path
+    manifest: dict
+
+    @property
+    def dims(self) -> dict:
+        return self.manifest["dims"]
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.dims["n_layer"])
+
+    @property
+    def layers(self) -> list[Region]:
+        return [Region.from_json(r) for r in self.manifest["layers"]]
+
+    @property
+    def head(self) -> Region:
+        return Region.from_json(self.manifest["head"])
+
+    @property
+    def embedding(self) -> dict:
+        return self.manifest["embedding"]
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def graph_dims(self, context: int) -> Dims:
+        d = self.dims
+        return Dims(d["hidden"], d["ffn"], d["n_head"], d["n_kv_head"], d["head_dim"],
+                    float(d["rms_eps"]), d["rope_style"], context)
+
+    def layer_bytes(self) -> list[int]:
+        return [r.nbytes for r in self.layers]
+
+
+def load_bundle(path: str | os.PathLike) -> Bundle:
+    p = Path(path)
+    mf = p / "manifest.json"
+    if not mf.is_file():
+        raise ModelError(f"{p} is not a lever-actors bundle (no manifest.json); create one with `lever-actors convert GGUF {p}`")
+    try:
+        manifest = json.loads(mf.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{mf} is corrupt: {e}") from e
+    if manifest.get("format") != FORMAT:
+        raise ModelError(f"{mf} is not a lever-actors manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ModelError(
+            f"{p} has bundle format {manifest.get('format_version')}, this lever-actors reads {FORMAT_VERSION}; "
+            "convert the GGUF again"
+        )
+    for name in {r["file"] for r in manifest["layers"]} | {manifest["head"]["file"]}:
+        if not (p / name).is_file():
+            raise ModelError(f"bundle {p} is missing {name}")
+    return Bundle(p, manifest)
+
+
+def read_region(bundle: Bundle, region: Region, verify: bool = False) -> bytearray:
+    """Read a region into DRAM (buffered; for resident parts loaded once at start)."""
+    buf = bytearray(region.nbytes)
+    with open(bundle.file(region.file), "rb") as f:
+        f.seek(region.offset)
+        n = f.readinto(buf)
+    if n != region.nbytes:
+        raise ModelError(f"{bundle.file(region.file)} is truncated at offset {region.offset}")
+    if verify and hashlib.sha256(buf).hexdigest() != region.sha256:
+        raise ModelError(f"checksum mismatch in {bundle.file(region.file)} at offset {region.offset}")
+    return buf

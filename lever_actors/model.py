@@ -1,0 +1,198 @@
+"""A transformer run layer by layer on ONNX Runtime sessions.
+
+The pieces here know nothing about speculation or actors: a KV cache of fixed
+``context`` slots, embedding rows read from the flash file, rotary tables, one
+session per layer (built from that layer's buffer) and the LM head.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from lever_actors.bundle import Bundle, Region, read_region
+from lever_actors.graphs import NEG, build_head, build_layer
+from lever_actors.ortrt import LaneConfig, make_session
+from lever_actors.quant import dequantize_rows
+
+
+class KVCache:
+    """K/V of every layer in ``context`` slots: ``[n_layer, KVH, C, D]`` each.
+
+    Slots ``0..length-1`` hold the committed sequence in order; slots above are
+    scratch for tokens under verification (tree nodes) until they are committed.
+    """
+
+    def __init__(self, n_layer: int, n_kv_head: int, context: int, head_dim: int) -> None:
+        self.k = np.zeros((n_layer, n_kv_head, context, head_dim), np.float32)
+        self.v = np.zeros_like(self.k)
+        self.context = context
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, layer: int, slots: np.ndarray, k_new: np.ndarray, v_new: np.ndarray) -> None:
+        self.k[layer][:, slots, :] = k_new
+        self.v[layer][:, slots, :] = v_new
+
+    def commit(self, slots: list[int] | np.ndarray) -> None:
+        """Keep the tokens in ``slots`` (in order) as the next committed positions."""
+        slots = np.asarray(slots, dtype=np.int64)
+        dst = np.arange(self.length, self.length + len(slots))
+        if not np.array_equal(slots, dst):
+            self.k[:, :, dst, :] = self.k[:, :, slots, :]
+            self.v[:, :, dst, :] = self.v[:, :, slots, :]
+        self.length += len(slots)
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ang = np.asarray(positions, np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def attention_mask(n_rows: int, context: int, past: int, visible: list[list[int]]) -> np.ndarray:
+    """Additive mask ``[n_rows, context]``: every row sees slots ``< past`` and its ``visible`` slots."""
+    m = np.full((n_rows, context), NEG, np.float32)
+    m[:, :past] = 0.0
+    for r, slots in enumerate(visible):
+        m[r, slots] = 0.0
+    return m
+
+
+class EmbeddingTable:
+    """Token embedding rows read from the flash file on demand (GGUF-native blocks).
+
+    The table (hundreds of MB) never occupies DRAM: each pass reads the few rows
+    it needs and dequantizes them exactly.
+    """
+
+    def __init__(self, bundle: Bundle) -> None:
+        e = bundle.embedding
+        self.qtype = QT[e["type"]]
+        self.offset, self.row_bytes, self.k, self.rows = e["offset"], e["row_bytes"], e["k"], e["rows"]
+        self.fd = os.open(bundle.file(e["file"]), os.O_RDONLY)
+        self.bytes_read = 0
+
+    def lookup(self, tokens) -> np.ndarray:
+        raw = np.empty((len(tokens), self.row_bytes), np.uint8)
+        for i, t in enumerate(tokens):
+            if not 0 <= int(t) < self.rows:
+                raise ValueError(f"token id {t} outside the vocabulary of {self.rows}")
+            n = os.preadv(self.fd, [raw[i]], self.offset + int(t) * self.row_bytes)
+            if n != self.row_bytes:
+                raise OSError(f"short read of embedding row {t}")
+        self.bytes_read += raw.nbytes
+        return dequantize_rows(raw, self.qtype, self.k)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@dataclass
+class LayerGraphs:
+    """Serialized layer graphs, one per distinct tensor-kind signature (layers share them)."""
+
+    bundle: Bundle
+    context: int
+    accuracy: int
+    cache: dict = field(default_factory=dict)
+
+    def for_layer(self, region: Region) -> bytes:
+        key = tuple(sorted((k, tuple(sorted(v.items()))) for k, v in region.mats.items()))
+        if key not in self.cache:
+            self.cache[key] = build_layer(self.bundle.graph_dims(self.context), region.mat_specs(), self.accuracy)
+        return self.cache[key]
+
+
+class Transformer:
+    """Embedding + layer sessions + head for one model and one KV cache.
+
+    Layer sessions are either resident (built once) or supplied per pass by the
+    caller from streamed buffers (:meth:`layer_session_from_buffer`).
+    """
+
+    def __init__(self, bundle: Bundle, context: int, lane: LaneConfig, resident_layers=None) -> None:
+        d = bundle.dims
+        self.bundle, self.context, self.lane = bundle, context, lane
+        self.n_layer, self.hidden, self.head_dim = d["n_layer"], d["hidden"], d["head_dim"]
+        self.n_kv_head, self.vocab = d["n_kv_head"], d["vocab_size"]
+        self.rope_base = float(d["rope_base"])
+        self.graphs = LayerGraphs(bundle, context, lane.accuracy)
+        self.regions = bundle.layers
+        self.embedding = EmbeddingTable(bundle)
+        self.kv = KVCache(self.n_layer, self.n_kv_head, context, self.head_dim)
+        head = bundle.head
+        self.head_buf = read_region(bundle, head)
+        views = head.views(self.head_buf)
+        self.head_session = make_session(
+            build_head(self.hidden, head.mat_specs()["output"], float(d["rms_eps"]), lane.accuracy), views, lane
+        )
+        self.head_bytes = head.nbytes
+        layers = range(self.n_layer) if resident_layers is None else resident_layers
+        self.resident: dict[int, object] = {}
+        self.resident_bytes = 0
+        for i in layers:
+            buf = read_region(bundle, self.regions[i])
+            self.resident[i] = self.layer_session_from_buffer(i, buf)
+            self.resident_bytes += self.regions[i].nbytes
+
+    def layer_session_from_buffer(self, i: int, buf) -> object:
+        region = self.regions[i]
+        return make_session(self.graphs.for_layer(region), region.views(buf), self.lane)
+
+    def feeds(self, positions: np.ndarray, slots: np.ndarray, mask: np.ndarray) -> dict:
+        cos, sin = rope_tables(positions, self.head_dim, self.rope_base)
+        n = len(slots)
+        idx = np.empty((self.n_kv_head, n, 2), np.int64)
+        idx[:, :, 0] = np.arange(self.n_kv_head)[:, None]
+        idx[:, :, 1] = slots[None, :]
+        return {"cos": cos, "sin": sin, "mask": mask, "kv_index": idx}
+
+    def run_layer(self, i: int, session, x: np.ndarray, feeds: dict, slots: np.ndarray) -> np.ndarray:
+        f = dict(feeds)
+        f["x"] = x
+        f["past_k"] = self.kv.k[i]
+        f["past_v"] = self.kv.v[i]
+        y, k_new, v_new = session.run(None, f)
+        self.kv.write(i, slots, k_new, v_new)
+        return y
+
+    def logits(self, hidden_rows: np.ndarray) -> np.ndarray:
+        return self.head_session.run(None, {"h": np.ascontiguousarray(hidden_rows, np.float32)})[0]
+
+    def forward_resident(self, tokens, positions, slots, mask) -> np.ndarray:
+        """All layers resident: final hidden states ``[N, H]`` of ``tokens``."""
+        slots = np.asarray(slots, np.int64)
+        x = self.embedding.lookup(tokens)
+        feeds = self.feeds(np.asarray(positions), slots, mask)
+        for i in range(self.n_layer):
+            x = self.run_layer(i, self.resident[i], x, feeds, slots)
+        return x
+
+    def prefill(self, tokens: list[int], chunk: int = 64) -> np.ndarray:
+        """Run the prompt through a resident model in chunks; returns the last hidden row."""
+        last = None
+        for s in range(0, len(tokens), chunk):
+            part = tokens[s:s + chunk]
+            p0 = self.kv.length
+            slots = np.arange(p0, p0 + len(part))
+            mask = attention_mask(len(part), self.context, p0, [list(range(p0, p0 + j + 1)) for j in range(len(part))])
+            h = self.forward_resident(part, slots, slots, mask)
+            self.kv.commit(slots)
+            last = h[-1:]
+        return last
+
+
+def timed(fn, *a, **k):
+    t = time.perf_counter()
+    out = fn(*a, **k)
+    return out, time.perf_counter() - t

@@ -1,0 +1,71 @@
+"""ONNX Runtime sessions over graphs whose weights live in our own buffers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from lever_actors.errors import ConfigError
+
+ACCURACY = {"int8": 4, "fp32": 0}  # MatMulNBits accuracy_level: int8 activations or fp32 compute
+KNOWN_PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "qnn": "QNNExecutionProvider",
+    "nnapi": "NnapiExecutionProvider",
+    "xnnpack": "XnnpackExecutionProvider",
+}
+
+
+@dataclass(frozen=True)
+class LaneConfig:
+    """How one lane's sessions run: threads, execution providers, activation precision."""
+
+    threads: int = 1
+    providers: tuple[str, ...] = ("cpu",)
+    precision: str = "int8"
+
+    @property
+    def accuracy(self) -> int:
+        return ACCURACY[self.precision]
+
+
+def resolve_providers(names: tuple[str, ...]) -> list[str]:
+    available = set(ort.get_available_providers())
+    out = []
+    for n in names:
+        full = KNOWN_PROVIDERS.get(n.lower(), n)
+        if full not in available:
+            raise ConfigError(
+                f"execution provider {n!r} is not available in this onnxruntime build "
+                f"(available: {', '.join(sorted(available))})"
+            )
+        out.append(full)
+    return out
+
+
+def session_options(lane: LaneConfig) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = lane.threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    # many small sessions, each with its own pool: spinning threads would fight for 2 cores
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return so
+
+
+def make_session(model_bytes: bytes, weights: dict[str, np.ndarray], lane: LaneConfig) -> ort.InferenceSession:
+    """A session whose external initializers are bound to ``weights`` without copying.
+
+    Our arrays must stay alive as long as the session may read them; ORT prepacks
+    MatMulNBits weights at creation, but plain initializers stay referenced.
+    """
+    so = session_options(lane)
+    names = list(weights)
+    values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(weights[n])) for n in names]
+    so.add_external_initializers(names, values)
+    sess = ort.InferenceSession(model_bytes, sess_options=so, providers=resolve_providers(lane.providers))
+    sess._lever_keepalive = (weights, values)  # noqa: SLF001 - tie buffer lifetime to the session
+    return sess
