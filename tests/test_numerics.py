@@ -1,0 +1,90 @@
+"""Golden numerics: the ORT graphs against a float64 numpy reference of the same GGUF."""
+import numpy as np
+import pytest
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from lever_actors.bundle import load_bundle
+from lever_actors.model import Transformer, attention_mask
+from lever_actors.ortrt import LaneConfig
+from lever_actors.quant import map_weight
+from tests.reference import ReferenceModel
+
+TOKENS = [5, 17, 99, 3, 250, 42, 42, 7, 301, 12, 64, 200]
+
+
+def rel_err(a, b) -> float:
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
+
+
+def causal_logits(model: Transformer, tokens) -> np.ndarray:
+    n = len(tokens)
+    slots = np.arange(n)
+    mask = attention_mask(n, model.context, 0, [list(range(j + 1)) for j in range(n)])
+    return model.logits(model.forward_resident(tokens, slots, slots, mask))
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_mapping_reproduces_gguf_dequantization_exactly(tiny_gguf, which):
+    seen = set()
+    for t in GGUFReader(str(tiny_gguf[which])).tensors:
+        if len(t.shape) < 2:
+            continue
+        k, n = int(t.shape[0]), int(t.shape[1])
+        raw = np.asarray(t.data).view(np.uint8).reshape(n, -1)
+        ref = dequantize(raw, t.tensor_type).reshape(n, k).astype(np.float64)
+        got = map_weight(raw, t.tensor_type, k, n).dequantize()
+        assert rel_err(got, ref) < 1e-6, t.name
+        seen.add(t.tensor_type.name)
+    assert seen  # each file covers several GGUF types (see tools/make_tiny_models.py)
+
+
+def test_tiny_pair_covers_every_supported_type(tiny_gguf):
+    types = {t.tensor_type.name for g in tiny_gguf for t in GGUFReader(str(g)).tensors}
+    assert {"Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "F16", "F32"} <= types
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_fp32_forward_matches_float64_reference(tiny_gguf, tiny_bundles, which):
+    ref = ReferenceModel(str(tiny_gguf[which])).logits(TOKENS)
+    model = Transformer(load_bundle(tiny_bundles[which]), 64, LaneConfig(precision="fp32"))
+    assert rel_err(causal_logits(model, TOKENS), ref) <= 1e-3
+
+
+def test_int8_forward_stays_close_to_reference(tiny_gguf, tiny_bundles):
+    ref = ReferenceModel(str(tiny_gguf[0])).logits(TOKENS)
+    model = Transformer(load_bundle(tiny_bundles[0]), 64, LaneConfig(precision="int8"))
+    got = causal_logits(model, TOKENS)
+    assert rel_err(got, ref) <= 5e-2
+    assert np.mean(np.argmax(got, -1) == np.argmax(ref, -1)) >= 0.9
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_logits_do_not_depend_on_batch(tiny_bundles, threads):
+    """A token's logits are bit-identical alone and inside any batch (needed for lossless speculation).
+
+    Only the int8 path (the runtime's default) promises this: MatMulNBits' fp32 path
+    dequantizes and calls a GEMM whose rounding depends on M, so ``--precision fp32``
+    is a reference/debug setting.
+    """
+    precision = "int8"
+    bundle = load_bundle(tiny_bundles[0])
+    prompt = TOKENS[:6]
+    tail = [9, 33, 120, 77, 5, 61, 200, 1, 14, 150, 300, 2, 8, 91, 44, 18]
+
+    def run(batch):
+        m = Transformer(bundle, 64, LaneConfig(threads=threads, precision=precision))
+        m.prefill(prompt)
+        outs = []
+        for s in range(0, len(tail), batch):
+            part = tail[s:s + batch]
+            p0 = m.kv.length
+            slots = np.arange(p0, p0 + len(part))
+            mask = attention_mask(len(part), m.context, p0, [list(range(p0, p0 + j + 1)) for j in range(len(part))])
+            outs.append(m.logits(m.forward_resident(part, slots, slots, mask)))
+            m.kv.commit(slots)
+        return np.concatenate(outs)
+
+    alone = run(1)
+    for batch in (2, 4, 16):
+        assert np.array_equal(alone, run(batch)), f"batch {batch} changed logits"
