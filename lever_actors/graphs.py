@@ -149,7 +149,9 @@ def build_layer(dims: Dims, mats: dict[str, MatSpec], accuracy: int) -> bytes:
 
     Inputs: ``x`` [N, H]; ``past_k``/``past_v`` [KVH, C, D] (the layer's whole
     cache); ``kv_index`` int64 [KVH, N, 2] (head, slot) where the new rows go;
-    ``cos``/``sin`` [N, D/2] at each token's position; ``mask`` [N, C] additive.
+    ``cos``/``sin`` [N, D/2] at each token's position; ``perm`` [N, C] each row's
+    slots, visible ones first in position order; ``inv_perm`` its inverse;
+    ``mask`` [N, C] additive, in ``perm`` order (0 for the first visible columns).
     Outputs: ``y`` [N, H], ``k_new``/``v_new`` [KVH, N, D].
     """
     g = _G()
@@ -164,6 +166,8 @@ def build_layer(dims: Dims, mats: dict[str, MatSpec], accuracy: int) -> bytes:
         helper.make_tensor_value_info("cos", f, ["N", D // 2]),
         helper.make_tensor_value_info("sin", f, ["N", D // 2]),
         helper.make_tensor_value_info("mask", f, ["N", dims.context]),
+        helper.make_tensor_value_info("perm", TensorProto.INT64, ["N", dims.context]),
+        helper.make_tensor_value_info("inv_perm", TensorProto.INT64, ["N", dims.context]),
     ]
     vec = {name: g.external(name, ((H if "norm" in name or name == "attn_q.bias" else kvh * D),), f) for name in LAYER_VECS}
     xn = g.rmsnorm("x", vec["attn_norm"], dims.rms_eps)
@@ -182,7 +186,17 @@ def build_layer(dims: Dims, mats: dict[str, MatSpec], accuracy: int) -> bytes:
     q3 = g.op("Reshape", q4, g.const("q3s", np.array([kvh, -1, D], np.int64)))
     scores = g.op("FusedMatMul", q3, k_all, domain=MS, transB=1, alpha=float(1.0 / np.sqrt(D)))
     s4 = g.op("Reshape", scores, g.const("s4s", np.array([kvh, grp, -1, dims.context], np.int64)))
-    probs = g.op("Softmax", g.op("Add", s4, "mask"), axis=-1)
+    # Softmax sees each row's visible keys first, in position order, then the masked
+    # rest: the same layout an autoregressive step has, so a tree node's softmax is
+    # bit-identical to the one it would get decoded alone. P@V runs in slot order
+    # (zero probabilities add nothing, wherever they sit).
+    full = g.const("pshape", np.array([kvh, grp, 1, 1], np.int64))
+    perm = g.op("Tile", g.op("Unsqueeze", g.op("Unsqueeze", "perm", g.const("ax0", np.array([0], np.int64))),
+                             g.const("ax0b", np.array([0], np.int64))), full)
+    inv = g.op("Tile", g.op("Unsqueeze", g.op("Unsqueeze", "inv_perm", g.const("ax0c", np.array([0], np.int64))),
+                            g.const("ax0d", np.array([0], np.int64))), full)
+    sp = g.op("Add", g.op("GatherElements", s4, perm, axis=3), "mask")
+    probs = g.op("GatherElements", g.op("Softmax", sp, axis=-1), inv, axis=3)
     p3 = g.op("Reshape", probs, g.const("p3s", np.array([kvh, -1, dims.context], np.int64)))
     ctx = g.op("Reshape", g.op("MatMul", p3, v_all), g.const("c4s", np.array([kvh, grp, -1, D], np.int64)))
     attn = g.op("Reshape", g.op("Transpose", ctx, perm=[2, 0, 1, 3]), g.const("as", np.array([-1, H], np.int64)))

@@ -59,13 +59,37 @@ def rope_tables(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.n
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def attention_mask(n_rows: int, context: int, past: int, visible: list[list[int]]) -> np.ndarray:
-    """Additive mask ``[n_rows, context]``: every row sees slots ``< past`` and its ``visible`` slots."""
-    m = np.full((n_rows, context), NEG, np.float32)
-    m[:, :past] = 0.0
-    for r, slots in enumerate(visible):
-        m[r, slots] = 0.0
-    return m
+def attention_layout(context: int, past: int, visible: list[list[int]]) -> dict[str, np.ndarray]:
+    """Mask and column order of a pass: every row sees slots ``< past`` and its ``visible`` slots.
+
+    ``visible[r]`` lists row ``r``'s own earlier tokens in position order, ending
+    with its own slot. ``perm[r]`` puts those columns right after the prefix (the
+    rest follow in slot order) and ``mask`` is 0 exactly on the first
+    ``past + len(visible[r])`` columns, so the softmax of every row has the layout
+    of a plain autoregressive step (see graphs.build_layer).
+    """
+    n = len(visible)
+    perm = np.empty((n, context), np.int64)
+    mask = np.full((n, context), NEG, np.float32)
+    prefix = np.arange(past)
+    for r, vis in enumerate(visible):
+        vis = np.asarray(vis, np.int64)
+        if len(vis) and (vis.min() < past or vis.max() >= context):
+            raise ValueError(f"row {r}: visible slots must lie in [{past}, {context})")
+        rest = np.ones(context, bool)
+        rest[:past] = False
+        rest[vis] = False
+        perm[r] = np.concatenate([prefix, vis, np.flatnonzero(rest)])
+        mask[r, : past + len(vis)] = 0.0
+    inv = np.empty_like(perm)
+    rows = np.arange(n)[:, None]
+    inv[rows, perm] = np.arange(context)[None, :]
+    return {"mask": mask, "perm": perm, "inv_perm": inv}
+
+
+def causal_layout(context: int, past: int, n: int) -> dict[str, np.ndarray]:
+    """Layout of ``n`` consecutive tokens at slots ``past..past+n-1`` (prefill, chains, AR)."""
+    return attention_layout(context, past, [list(range(past, past + j + 1)) for j in range(n)])
 
 
 class EmbeddingTable:
@@ -149,13 +173,13 @@ class Transformer:
         region = self.regions[i]
         return make_session(self.graphs.for_layer(region), region.views(buf), self.lane)
 
-    def feeds(self, positions: np.ndarray, slots: np.ndarray, mask: np.ndarray) -> dict:
+    def feeds(self, positions: np.ndarray, slots: np.ndarray, layout: dict) -> dict:
         cos, sin = rope_tables(positions, self.head_dim, self.rope_base)
         n = len(slots)
         idx = np.empty((self.n_kv_head, n, 2), np.int64)
         idx[:, :, 0] = np.arange(self.n_kv_head)[:, None]
         idx[:, :, 1] = slots[None, :]
-        return {"cos": cos, "sin": sin, "mask": mask, "kv_index": idx}
+        return {"cos": cos, "sin": sin, "kv_index": idx, **layout}
 
     def run_layer(self, i: int, session, x: np.ndarray, feeds: dict, slots: np.ndarray) -> np.ndarray:
         f = dict(feeds)
@@ -169,11 +193,11 @@ class Transformer:
     def logits(self, hidden_rows: np.ndarray) -> np.ndarray:
         return self.head_session.run(None, {"h": np.ascontiguousarray(hidden_rows, np.float32)})[0]
 
-    def forward_resident(self, tokens, positions, slots, mask) -> np.ndarray:
+    def forward_resident(self, tokens, positions, slots, layout) -> np.ndarray:
         """All layers resident: final hidden states ``[N, H]`` of ``tokens``."""
         slots = np.asarray(slots, np.int64)
         x = self.embedding.lookup(tokens)
-        feeds = self.feeds(np.asarray(positions), slots, mask)
+        feeds = self.feeds(np.asarray(positions), slots, layout)
         for i in range(self.n_layer):
             x = self.run_layer(i, self.resident[i], x, feeds, slots)
         return x
@@ -185,8 +209,7 @@ class Transformer:
             part = tokens[s:s + chunk]
             p0 = self.kv.length
             slots = np.arange(p0, p0 + len(part))
-            mask = attention_mask(len(part), self.context, p0, [list(range(p0, p0 + j + 1)) for j in range(len(part))])
-            h = self.forward_resident(part, slots, slots, mask)
+            h = self.forward_resident(part, slots, slots, causal_layout(self.context, p0, len(part)))
             self.kv.commit(slots)
             last = h[-1:]
         return last

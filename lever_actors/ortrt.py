@@ -57,15 +57,15 @@ def session_options(lane: LaneConfig) -> ort.SessionOptions:
 
 
 def make_session(model_bytes: bytes, weights: dict[str, np.ndarray], lane: LaneConfig) -> ort.InferenceSession:
-    """A session whose external initializers are bound to ``weights`` without copying.
+    """A session whose external initializers come from ``weights`` (views into a layer buffer).
 
-    Our arrays must stay alive as long as the session may read them; ORT prepacks
-    MatMulNBits weights at creation, but plain initializers stay referenced.
+    ORT 1.32 copies injected external initializers (and prepacks MatMulNBits
+    weights) while the session is created and never reads our buffer again, so
+    the caller may recycle the buffer as soon as this returns (measured: zeroing
+    the source after creation leaves outputs unchanged; tests/test_numerics.py).
     """
     so = session_options(lane)
     names = list(weights)
     values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(weights[n])) for n in names]
     so.add_external_initializers(names, values)
-    sess = ort.InferenceSession(model_bytes, sess_options=so, providers=resolve_providers(lane.providers))
-    sess._lever_keepalive = (weights, values)  # noqa: SLF001 - tie buffer lifetime to the session
-    return sess
+    return ort.InferenceSession(model_bytes, sess_options=so, providers=resolve_providers(lane.providers))

@@ -5,7 +5,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from lever_actors.bundle import load_bundle
-from lever_actors.model import Transformer, attention_mask
+from lever_actors.model import Transformer, causal_layout
 from lever_actors.ortrt import LaneConfig
 from lever_actors.quant import map_weight
 from tests.reference import ReferenceModel
@@ -20,8 +20,7 @@ def rel_err(a, b) -> float:
 def causal_logits(model: Transformer, tokens) -> np.ndarray:
     n = len(tokens)
     slots = np.arange(n)
-    mask = attention_mask(n, model.context, 0, [list(range(j + 1)) for j in range(n)])
-    return model.logits(model.forward_resident(tokens, slots, slots, mask))
+    return model.logits(model.forward_resident(tokens, slots, slots, causal_layout(model.context, 0, n)))
 
 
 @pytest.mark.parametrize("which", [0, 1])
@@ -80,11 +79,49 @@ def test_logits_do_not_depend_on_batch(tiny_bundles, threads):
             part = tail[s:s + batch]
             p0 = m.kv.length
             slots = np.arange(p0, p0 + len(part))
-            mask = attention_mask(len(part), m.context, p0, [list(range(p0, p0 + j + 1)) for j in range(len(part))])
-            outs.append(m.logits(m.forward_resident(part, slots, slots, mask)))
+            outs.append(m.logits(m.forward_resident(part, slots, slots, causal_layout(m.context, p0, len(part)))))
             m.kv.commit(slots)
         return np.concatenate(outs)
 
     alone = run(1)
     for batch in (2, 4, 16):
         assert np.array_equal(alone, run(batch)), f"batch {batch} changed logits"
+
+
+def test_tree_nodes_get_the_logits_of_their_own_path(tiny_bundles):
+    """A tree pass with interleaved branches gives each node the logits plain decoding of its path gives."""
+    from lever_actors.model import attention_layout
+
+    bundle = load_bundle(tiny_bundles[0])
+    prompt = TOKENS[:5]
+    #        node: 0=root  1     2     3     4     5
+    tokens = [prompt[-1], 30, 31, 32, 33, 34]
+    parents = [-1, 0, 0, 1, 2, 3]
+
+    def path(i):
+        out = []
+        while i >= 0:
+            out.append(i)
+            i = parents[i]
+        return out[::-1]
+
+    def ar_logits(node_path):
+        m = Transformer(bundle, 64, LaneConfig())
+        m.prefill(prompt[:-1])
+        rows = []
+        for n in node_path:
+            p = m.kv.length
+            rows.append(m.logits(m.forward_resident([tokens[n]], [p], [p], causal_layout(64, p, 1)))[0])
+            m.kv.commit([p])
+        return rows
+
+    m = Transformer(bundle, 64, LaneConfig())
+    m.prefill(prompt[:-1])
+    past = m.kv.length
+    slots = np.arange(past, past + len(tokens))
+    positions = [past + len(path(i)) - 1 for i in range(len(tokens))]
+    layout = attention_layout(64, past, [[past + a for a in path(i)] for i in range(len(tokens))])
+    tree = m.logits(m.forward_resident(tokens, positions, slots, layout))
+    for leaf in (3, 4, 5):
+        for node, row in zip(path(leaf), ar_logits(path(leaf))):
+            assert np.array_equal(tree[node], row), f"node {node} on the path to {leaf}"
