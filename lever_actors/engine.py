@@ -1,0 +1,159 @@
+"""The engine behind ``generate``, ``bench`` and the daemon: configuration and one generation."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from lever_actors.errors import ConfigError
+from lever_actors.ortrt import LaneConfig
+from lever_actors.sampling import SamplingParams
+
+MODES = ("resident-ar", "flash-ar", "flash-chain")
+
+
+def parse_size(text: str | None) -> int | None:
+    """'1GiB', '800MB', '512m', '123456' -> bytes; 'unlimited' or None -> None."""
+    if text is None or str(text).lower() in ("unlimited", "none", "inf"):
+        return None
+    s = str(text).strip().lower().replace(" ", "")
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1, "": 1}
+    for u in sorted(units, key=len, reverse=True):
+        if s.endswith(u):
+            num = s[: len(s) - len(u)] if u else s
+            try:
+                v = float(num)
+            except ValueError:
+                break
+            if v <= 0:
+                break
+            return int(v * units[u])
+    raise ConfigError(f"cannot read size {text!r}: use e.g. 1GiB, 800MB, 512MiB or 'unlimited'")
+
+
+def parse_mode(text: str, gamma: int | None = None) -> tuple[str, int]:
+    """'flash-chain:8' -> ('flash-chain', 8). The parameter is the chain length."""
+    name, _, param = text.partition(":")
+    if name not in MODES:
+        raise ConfigError(f"unknown mode {name!r}; modes: {', '.join(MODES)} (flash-chain takes :GAMMA)")
+    g = gamma if gamma is not None else 8
+    if param:
+        if name != "flash-chain":
+            raise ConfigError(f"mode {name} takes no parameter (got {text!r})")
+        try:
+            g = int(param)
+        except ValueError:
+            raise ConfigError(f"flash-chain:GAMMA needs an integer, got {param!r}") from None
+    if name == "flash-chain" and not 1 <= g <= 32:
+        raise ConfigError(f"gamma must be in 1..32, got {g}")
+    return name, g
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    target: str | None = None
+    draft: str | None = None
+    mode: str = "resident-ar"
+    gamma: int = 8
+    model: str = "target"
+    context: int = 1024
+    dram_budget: int | None = None
+    flash_bandwidth: float | None = None
+    lane: LaneConfig = field(default_factory=LaneConfig)
+    trace: str | None = None
+
+    @classmethod
+    def from_args(cls, args) -> "EngineConfig":
+        mode_text = getattr(args, "mode", "resident-ar")
+        mode, gamma = parse_mode(mode_text, getattr(args, "gamma", None))
+        if args.context < 16:
+            raise ConfigError(f"--context must be at least 16, got {args.context}")
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        bw = getattr(args, "flash_bandwidth", None)
+        return cls(
+            target=args.target, draft=args.draft, mode=mode, gamma=gamma, model=getattr(args, "model", "target"),
+            context=args.context, dram_budget=parse_size(getattr(args, "dram_budget", None)),
+            flash_bandwidth=parse_size(bw) if bw else None,
+            lane=LaneConfig(threads=args.threads, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
+                            precision=args.precision),
+            trace=getattr(args, "trace", None),
+        )
+
+    def mode_string(self) -> str:
+        return f"{self.mode}:{self.gamma}" if self.mode == "flash-chain" else self.mode
+
+
+@dataclass
+class Result:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    load_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def sampling_from_args(args) -> SamplingParams:
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def load_tokenizer(bundle_dir: Path):
+    from lever_actors.tokenizer import TextTokenizer
+
+    return TextTokenizer.from_file(Path(bundle_dir) / "tokenizer.json")
+
+
+def generate_once(cfg: EngineConfig, prompt: str, args, on_text: Callable[[str], None]) -> Result:
+    """Load what the mode needs, generate once, stream text through ``on_text``."""
+    from lever_actors.models import resolve_bundle
+
+    params = sampling_from_args(args)
+    t0 = time.perf_counter()
+    role = cfg.model if cfg.mode == "resident-ar" else "target"
+    tbundle = resolve_bundle(cfg.target if role == "target" else cfg.draft, role)
+    tok = load_tokenizer(tbundle)
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if getattr(args, "chat", False) else prompt
+    ids = tok.encode(text)
+    dec = tok.incremental_decoder()
+
+    def on_token(t: int) -> bool:
+        if t not in tok.eos_ids:
+            piece = dec.feed(t)
+            if piece:
+                on_text(piece)
+        return False
+
+    if cfg.mode == "resident-ar":
+        from lever_actors.bundle import load_bundle
+        from lever_actors.decode import decode_resident
+        from lever_actors.model import Transformer
+
+        model = Transformer(load_bundle(tbundle), cfg.context, cfg.lane)
+        load_s = time.perf_counter() - t0
+        gen = decode_resident(model, ids, args.max_tokens, params, tok.eos_ids, on_token)
+        tail = dec.flush()
+        if tail:
+            on_text(tail)
+        return Result(ids, gen.token_ids, tok.decode([t for t in gen.token_ids if t not in tok.eos_ids]),
+                      gen.finish_reason, load_s, gen.prefill_s, gen.decode_s, {"mode": "resident-ar", "model": role})
+    from lever_actors.runtime import run_generation
+
+    dbundle = resolve_bundle(cfg.draft, "draft") if cfg.mode == "flash-chain" else None
+    return run_generation(cfg, tbundle, dbundle, tok, ids, args.max_tokens, params, on_token, on_text, dec, t0)
+
+
+def make_backend(args):
+    from lever_actors.service import EngineBackend
+
+    return EngineBackend(EngineConfig.from_args(args))
