@@ -1,0 +1,299 @@
+"""In-pipeline messages exchanged by the actors (DESIGN.md section 2).
+
+Layer: protocols/ (wire schemas). Imports only the standard library, msgpack and numpy.
+
+Every message carries ``session_id``, ``step`` (monotonic, one verification pass per step)
+and ``epoch`` (speculation generation: consumers drop messages of older epochs). Tensors never
+travel: weights and hidden states stay in buffers owned by one actor, messages carry handles
+(pool slots, buffer handles) and small per-node vectors.
+
+Trees are numbered in topological order (a parent id is smaller than its child's). In
+``DraftExpansion`` the root (last committed token) is implicit and parent -1 marks its
+children; from ``VerifyPlan`` on, the root is node 0 with parent -1 and node ids index the
+plan's arrays. Constructors check cheap structural invariants (ValueError); ``encode`` checks
+field types.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from protocols.base import Message, register
+
+# (kind, itemsize) rather than dtype equality, so the check does not depend on byte order.
+_VECTOR_DTYPES = {"int32": ("i", 4), "float32": ("f", 4), "bool": ("b", 1)}
+
+
+def _vector(owner: object, name: str, dtype: str, length: int | None = None,
+            increasing: bool = False) -> np.ndarray:
+    arr = getattr(owner, name)
+    if not (isinstance(arr, np.ndarray) and arr.ndim == 1
+            and (arr.dtype.kind, arr.dtype.itemsize) == _VECTOR_DTYPES[dtype]):
+        got = f"{arr.dtype}{arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+        raise ValueError(f"{type(owner).__name__}.{name} must be a 1-d {dtype} array, got {got}")
+    if length is not None and arr.shape[0] != length:
+        raise ValueError(f"{type(owner).__name__}.{name}: {arr.shape[0]} items, not {length}")
+    if increasing and not _increasing(arr):
+        raise ValueError(f"{type(owner).__name__}.{name} must be strictly increasing node ids")
+    return arr
+
+
+def _non_negative(owner: object, *names: str) -> None:
+    for name in names:
+        if getattr(owner, name) < 0:
+            raise ValueError(f"{type(owner).__name__}.{name} must be >= 0")
+
+
+def _seconds(owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if not 0 <= value < math.inf:  # also rejects NaN
+            raise ValueError(f"{type(owner).__name__}.{name} must be finite and >= 0, got {value}")
+
+
+def _increasing(values) -> bool:
+    """True when ``values`` (a tuple or 1-d array) are non-negative and strictly increasing."""
+    v = np.asarray(values)
+    return v.size == 0 or bool(v[0] >= 0 and np.all(np.diff(v) > 0))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineMessage(Message):
+    """Header shared by every in-pipeline message (not registered itself)."""
+    session_id: int
+    step: int
+    epoch: int
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "session_id", "step", "epoch")
+        self._check()
+
+    def _check(self) -> None:
+        """Per-class structural checks. Overridden instead of chaining ``__post_init__``,
+        because zero-argument ``super()`` breaks in ``slots=True`` dataclasses."""
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PassSchedule(PipelineMessage):
+    """Planner/runtime -> FlashPrefetcher: stream these layers, in this order, for one pass."""
+    KIND: ClassVar[str] = "flash.schedule"
+    VERSION: ClassVar[int] = 1
+    layers: tuple[int, ...]
+
+    def _check(self) -> None:
+        if any(layer < 0 for layer in self.layers) or len(set(self.layers)) != len(self.layers):
+            raise ValueError("PassSchedule.layers must be distinct non-negative layer indices")
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerReady(PipelineMessage):
+    """FlashPrefetcher -> NpuVerifier: ``layer``'s weights sit in buffer-pool ``slot``."""
+    KIND: ClassVar[str] = "flash.ready"
+    VERSION: ClassVar[int] = 1
+    layer: int
+    slot: int
+    nbytes: int
+    io_s: float          # wall time of the read
+    direct_io: bool      # False when the read fell back to buffered I/O + fadvise
+
+    def _check(self) -> None:
+        _non_negative(self, "layer", "slot", "nbytes")
+        _seconds(self, "io_s")
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerReleased(PipelineMessage):
+    """NpuVerifier -> FlashPrefetcher: buffer-pool ``slot`` holding ``layer`` may be reused."""
+    KIND: ClassVar[str] = "flash.released"
+    VERSION: ClassVar[int] = 1
+    layer: int
+    slot: int
+
+    def _check(self) -> None:
+        _non_negative(self, "layer", "slot")
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftRequest(PipelineMessage):
+    """-> Drafter: grow a candidate tree below ``root_token`` at sequence ``position``."""
+    KIND: ClassVar[str] = "draft.request"
+    VERSION: ClassVar[int] = 1
+    root_token: int
+    position: int        # sequence position of root_token
+    max_nodes: int
+    max_depth: int
+    top_k: int           # children considered per expanded node
+
+    def _check(self) -> None:
+        _non_negative(self, "root_token", "position", "max_nodes", "max_depth")
+        if self.top_k < 1:
+            raise ValueError("DraftRequest.top_k must be >= 1")
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftExpansion(PipelineMessage):
+    """Drafter -> TreePlanner: candidate nodes below the (implicit) root.
+
+    ``parents[i]`` is -1 for a child of the root, else a smaller node id; ``draft_probs[i]``
+    is the draft's conditional probability of ``tokens[i]`` given its parent path.
+    """
+    KIND: ClassVar[str] = "draft.expansion"
+    VERSION: ClassVar[int] = 1
+    root_token: int
+    position: int        # sequence position of root_token, echoed from the request
+    parents: np.ndarray      # int32 [n]
+    tokens: np.ndarray       # int32 [n]
+    draft_probs: np.ndarray  # float32 [n]
+    draft_s: float
+
+    def _check(self) -> None:
+        _non_negative(self, "root_token", "position")
+        n = _vector(self, "parents", "int32").shape[0]
+        if np.any(self.parents < -1) or np.any(self.parents >= np.arange(n)):
+            raise ValueError("DraftExpansion.parents must be -1 or a smaller node id")
+        if np.any(_vector(self, "tokens", "int32", n) < 0):
+            raise ValueError("DraftExpansion.tokens must be >= 0")
+        probs = _vector(self, "draft_probs", "float32", n)
+        if not np.all((probs >= 0) & (probs <= 1)):
+            raise ValueError("DraftExpansion.draft_probs must lie in [0, 1]")
+        _seconds(self, "draft_s")
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyPlan(PipelineMessage):
+    """TreePlanner -> NpuVerifier: the token tree to verify in one pass.
+
+    Node 0 is the root (the last committed token, at sequence ``position``); every other
+    node's parent is a smaller id and its depth is its parent's plus one. The verifier pads
+    the n nodes to ``bucket`` tokens and stops at ``exit_layers`` to let the pruner score.
+    """
+    KIND: ClassVar[str] = "plan.verify"
+    VERSION: ClassVar[int] = 1
+    position: int
+    tokens: np.ndarray   # int32 [n]
+    parents: np.ndarray  # int32 [n]
+    depths: np.ndarray   # int32 [n]
+    bucket: int
+    exit_layers: tuple[int, ...] = ()
+
+    def _check(self) -> None:
+        _non_negative(self, "position")
+        n = _vector(self, "tokens", "int32").shape[0]
+        parents, depths = _vector(self, "parents", "int32", n), _vector(self, "depths", "int32", n)
+        if n < 1 or parents[0] != -1 or depths[0] != 0:
+            raise ValueError("VerifyPlan needs a root node 0 with parent -1, depth 0")
+        if np.any(self.tokens < 0) or self.bucket < n:
+            raise ValueError(f"VerifyPlan needs token ids >= 0 and bucket >= {n} nodes")
+        if np.any(parents[1:] < 0) or np.any(parents[1:] >= np.arange(1, n)):
+            raise ValueError("VerifyPlan.parents must point to a smaller node id")
+        if np.any(depths[1:] != depths[parents[1:]] + 1):
+            raise ValueError("VerifyPlan.depths must be the parent's depth plus one")
+        if not _increasing(self.exit_layers):
+            raise ValueError("VerifyPlan.exit_layers must be increasing layer indices")
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExitHidden(PipelineMessage):
+    """NpuVerifier -> CpuPruner: hidden states after ``layer`` for the surviving nodes.
+
+    The rows of the buffer behind ``handle`` follow ``node_ids`` (strictly increasing).
+    """
+    KIND: ClassVar[str] = "verify.exit_hidden"
+    VERSION: ClassVar[int] = 1
+    layer: int
+    node_ids: np.ndarray  # int32 [m]
+    handle: int
+
+    def _check(self) -> None:
+        _non_negative(self, "layer", "handle")
+        _vector(self, "node_ids", "int32", increasing=True)
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PruneMask(PipelineMessage):
+    """CpuPruner -> NpuVerifier: ``keep[i]`` says whether plan node i survives ``layer``."""
+    KIND: ClassVar[str] = "prune.mask"
+    VERSION: ClassVar[int] = 1
+    layer: int
+    keep: np.ndarray  # bool [n]
+
+    def _check(self) -> None:
+        _non_negative(self, "layer")
+        _vector(self, "keep", "bool")
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyDone(PipelineMessage):
+    """NpuVerifier -> Acceptor: last-layer hidden states of ``node_ids`` behind ``handle``."""
+    KIND: ClassVar[str] = "verify.done"
+    VERSION: ClassVar[int] = 1
+    node_ids: np.ndarray  # int32 [m], strictly increasing
+    handle: int
+    compute_s: float
+    io_wait_s: float      # time spent waiting for LayerReady during the pass
+
+    def _check(self) -> None:
+        _non_negative(self, "handle")
+        _vector(self, "node_ids", "int32", increasing=True)
+        _seconds(self, "compute_s", "io_wait_s")
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Commit(PipelineMessage):
+    """Acceptor -> Drafter, client: tokens that are now final.
+
+    ``tokens`` are the accepted draft tokens followed by the target's bonus or correction
+    token, so never empty. ``accepted_nodes`` is the accepted path (root first), one node per
+    token, and doubles as the KV keep-list; it is empty when no tree was verified (prefill).
+    ``finish_reason`` is set exactly when ``finished`` is.
+    """
+    KIND: ClassVar[str] = "accept.commit"
+    VERSION: ClassVar[int] = 1
+    tokens: tuple[int, ...]
+    accepted_nodes: tuple[int, ...] = ()
+    finished: bool = False
+    finish_reason: str | None = None
+
+    def _check(self) -> None:
+        if not self.tokens or any(t < 0 for t in self.tokens):
+            raise ValueError("Commit.tokens must hold at least one token id >= 0")
+        nodes = self.accepted_nodes
+        if nodes and (len(nodes) != len(self.tokens) or nodes[0] != 0 or not _increasing(nodes)):
+            raise ValueError("Commit.accepted_nodes must be the root-first path, one per token")
+        if self.finished != (self.finish_reason is not None):
+            raise ValueError("Commit.finish_reason must be set exactly when finished")
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PassStats(PipelineMessage):
+    """Acceptor -> TreePlanner: measurements of one finished pass, for the cost model."""
+    KIND: ClassVar[str] = "accept.stats"
+    VERSION: ClassVar[int] = 1
+    n_nodes: int
+    n_accepted: int
+    n_pruned: int
+    io_s: float
+    compute_s: float
+    draft_s: float
+    pass_s: float
+    bytes_read: int
+
+    def _check(self) -> None:
+        _non_negative(self, "n_nodes", "n_accepted", "n_pruned", "bytes_read")
+        if self.n_accepted > self.n_nodes or self.n_pruned > self.n_nodes:
+            raise ValueError("PassStats: accepted and pruned counts cannot exceed n_nodes")
+        _seconds(self, "io_s", "compute_s", "draft_s", "pass_s")
