@@ -7,6 +7,7 @@ only when complete, so a killed conversion never leaves a bundle that loads.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -94,6 +95,14 @@ class _Tensors:
         return map_weight(self.raw(name), t.tensor_type, k, n)
 
 
+def vocab_digest(spec: dict) -> str:
+    """Hash of what must match between a draft and its target: token texts, types and merges."""
+    h = hashlib.sha256()
+    for part in (spec["tokens"], spec["token_types"], spec["merges"], [spec["bos_id"], spec["eos_id"]]):
+        h.update(json.dumps(part, ensure_ascii=False).encode())
+    return h.hexdigest()
+
+
 MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -168,7 +177,8 @@ def convert(gguf_path: str | os.PathLike, out: str | os.PathLike, *, progress: C
             "source": {"gguf": src.name, "bytes": src.stat().st_size, "sha256": source_sha256,
                        "name": str(_field(reader, "general.name", "unknown"))},
             "dims": dims,
-            "tokenizer": {"file": "tokenizer.json", "spec": {k: v for k, v in spec.items() if k not in ("tokens", "token_types", "merges")}},
+            "tokenizer": {"file": "tokenizer.json", "vocab_sha256": vocab_digest(spec),
+                          "spec": {k: v for k, v in spec.items() if k not in ("tokens", "token_types", "merges")}},
             "embedding": embedding, "layers": layers, "head": head,
             "gguf_layer_bytes": [sum(int(t.n_bytes) for n, t in ts.by_name.items() if n.startswith(f"blk.{i}."))
                                  for i in range(dims["n_layer"])],

@@ -144,7 +144,7 @@ class Transformer:
     caller from streamed buffers (:meth:`layer_session_from_buffer`).
     """
 
-    def __init__(self, bundle: Bundle, context: int, lane: LaneConfig, resident_layers=None) -> None:
+    def __init__(self, bundle: Bundle, context: int, lane: LaneConfig, resident_layers=None, load_head: bool = True) -> None:
         d = bundle.dims
         self.bundle, self.context, self.lane = bundle, context, lane
         self.n_layer, self.hidden, self.head_dim = d["n_layer"], d["hidden"], d["head_dim"]
@@ -154,13 +154,10 @@ class Transformer:
         self.regions = bundle.layers
         self.embedding = EmbeddingTable(bundle)
         self.kv = KVCache(self.n_layer, self.n_kv_head, context, self.head_dim)
-        head = bundle.head
-        self.head_buf = read_region(bundle, head)
-        views = head.views(self.head_buf)
-        self.head_session = make_session(
-            build_head(self.hidden, head.mat_specs()["output"], float(d["rms_eps"]), lane.accuracy), views, lane
-        )
-        self.head_bytes = head.nbytes
+        self.head_region = bundle.head
+        self.head_graph = build_head(self.hidden, self.head_region.mat_specs()["output"], float(d["rms_eps"]), lane.accuracy)
+        self.head_bytes = self.head_region.nbytes
+        self.head_session = self.head_session_from_buffer(read_region(bundle, self.head_region)) if load_head else None
         layers = range(self.n_layer) if resident_layers is None else resident_layers
         self.resident: dict[int, object] = {}
         self.resident_bytes = 0
@@ -168,6 +165,9 @@ class Transformer:
             buf = read_region(bundle, self.regions[i])
             self.resident[i] = self.layer_session_from_buffer(i, buf)
             self.resident_bytes += self.regions[i].nbytes
+
+    def head_session_from_buffer(self, buf) -> object:
+        return make_session(self.head_graph, self.head_region.views(buf), self.lane)
 
     def layer_session_from_buffer(self, i: int, buf) -> object:
         region = self.regions[i]

@@ -109,24 +109,30 @@ def _read_value(buf: mmap.mmap, off: int, vtype: int) -> tuple[Any, int]:
 def _tokenizer_fields_from_path(path: str | os.PathLike) -> dict[str, Any]:
     """Parse only the GGUF key/value header (never the tensor index) and keep `tokenizer.*`.
 
-    This is ~20x faster than `GGUFReader`, which builds a numpy view per vocabulary string.
+    For Qwen this takes about 0.15 s against 6 s for `GGUFReader`, which builds numpy views
+    for every vocabulary string and every tensor before we can look at anything.
     """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ModelError(f"{path}: not a GGUF file (magic {buf[:4]!r})")
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            # A big-endian file also lands here: its version reads as a huge number.
-            raise UnsupportedModel(f"{path}: GGUF version {version} (need little-endian v2 or v3)")
-        off, fields = 24, {}
-        for _ in range(n_kv):
-            (key_len,) = struct.unpack_from("<Q", buf, off)
-            key = buf[off + 8:off + 8 + key_len].decode("utf-8")
-            (vtype,) = struct.unpack_from("<I", buf, off + 8 + key_len)
-            value, off = _read_value(buf, off + 12 + key_len, vtype)
-            if key.startswith("tokenizer."):
-                fields[key] = value
-        return fields
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelError(f"{path}: not a GGUF file (no GGUF magic)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            off, fields = 4, {}
+            try:
+                version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, off)
+                if version not in (2, 3):
+                    # A big-endian file also lands here: its version reads as a huge number.
+                    raise UnsupportedModel(f"{path}: GGUF version {version} (need little-endian v2 or v3)")
+                off = 24
+                for _ in range(n_kv):
+                    (key_len,) = struct.unpack_from("<Q", buf, off)
+                    key = buf[off + 8:off + 8 + key_len].decode("utf-8")
+                    (vtype,) = struct.unpack_from("<I", buf, off + 8 + key_len)
+                    value, off = _read_value(buf, off + 12 + key_len, vtype)
+                    if key.startswith("tokenizer."):
+                        fields[key] = value
+            except (struct.error, ValueError) as e:  # UnicodeDecodeError is a ValueError
+                raise ModelError(f"{path}: truncated or corrupt GGUF metadata at offset {off}: {e}") from e
+            return fields
 
 
 def _tokenizer_fields_from_reader(reader: GGUFReader) -> dict[str, Any]:
@@ -143,7 +149,7 @@ def _tokenizer_fields_from_reader(reader: GGUFReader) -> dict[str, Any]:
         if vtype == GGUFValueType.ARRAY and field.types[-1] == GGUFValueType.STRING:
             fields[key] = [field.parts[i].tobytes().decode("utf-8") for i in field.data]
         elif vtype == GGUFValueType.ARRAY:
-            fields[key] = [field.parts[i][0].item() for i in field.data]
+            fields[key] = np.concatenate([field.parts[i] for i in field.data]).tolist()
         else:
             fields[key] = field.contents()
     return fields
@@ -245,8 +251,8 @@ def build_tokenizer(spec: dict[str, Any]) -> Tokenizer:
 class TextTokenizer:
     """A model's tokenizer plus its special ids and ChatML prompt format.
 
-    Build once from a GGUF spec (`from_spec`), `save` it, and later load it with
-    `from_file` (much faster than reading the GGUF again). `save(path)` writes a standard
+    Build it from a GGUF spec (`from_spec`), or `save` it and load it with `from_file`
+    where the GGUF is not at hand (both take about 0.25 s for Qwen). `save(path)` writes a standard
     `tokenizer.json` at `path` (usable by any `tokenizers` client) and the extras (special
     ids, add_bos, chat template, pre) to the sidecar `sidecar_path(path)`, e.g.
     `tokenizer.json` -> `tokenizer.lever.json`.
@@ -305,8 +311,9 @@ class TextTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """Text for `ids`, special tokens included. Invalid UTF-8 becomes U+FFFD."""
+        ids = [int(i) for i in ids]  # numpy integers are not accepted by `tokenizers`
         self._check_ids(ids)
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes that one token stands for (may be part of a UTF-8 character)."""

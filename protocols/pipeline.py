@@ -124,12 +124,23 @@ class LayerReleased(PipelineMessage):
 class DraftRequest(PipelineMessage):
     """-> Drafter: grow a candidate tree below ``root_token`` at sequence ``position``."""
     KIND: ClassVar[str] = "draft.request"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     root_token: int
     position: int        # sequence position of root_token
     max_nodes: int
     max_depth: int
     top_k: int           # children considered per expanded node
+    # v2: the tokens committed since the previous request (root last), so the drafter can
+    # sync its KV cache; reset starts a new sequence; the sampling settings of the request
+    committed: tuple[int, ...] = ()
+    reset: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @staticmethod
+    def upgrade_from_1(body: dict) -> dict:
+        return body  # v2 only adds fields with defaults
 
     def _check(self) -> None:
         _non_negative(self, "root_token", "position", "max_nodes", "max_depth")
@@ -146,13 +157,19 @@ class DraftExpansion(PipelineMessage):
     is the draft's conditional probability of ``tokens[i]`` given its parent path.
     """
     KIND: ClassVar[str] = "draft.expansion"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     root_token: int
     position: int        # sequence position of root_token, echoed from the request
     parents: np.ndarray      # int32 [n]
     tokens: np.ndarray       # int32 [n]
     draft_probs: np.ndarray  # float32 [n]
     draft_s: float
+    # v2: full draft distributions [n, vocab] that sampled nodes were drawn from (sampling only)
+    dists: np.ndarray | None = None
+
+    @staticmethod
+    def upgrade_from_1(body: dict) -> dict:
+        return body
 
     def _check(self) -> None:
         _non_negative(self, "root_token", "position")
@@ -177,13 +194,27 @@ class VerifyPlan(PipelineMessage):
     the n nodes to ``bucket`` tokens and stops at ``exit_layers`` to let the pruner score.
     """
     KIND: ClassVar[str] = "plan.verify"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     position: int
     tokens: np.ndarray   # int32 [n]
     parents: np.ndarray  # int32 [n]
     depths: np.ndarray   # int32 [n]
     bucket: int
     exit_layers: tuple[int, ...] = ()
+    # v2: accepted nodes of the previous pass (its KV keep-list, root first); prefill = the
+    # tokens are a prompt, committed unconditionally (a new sequence); sampling settings;
+    # want_logits asks for full target rows (sampled acceptance), draft_dists travel along
+    prev_accepted: tuple[int, ...] = ()
+    prefill: bool = False
+    want_logits: bool = False
+    draft_dists: np.ndarray | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @staticmethod
+    def upgrade_from_1(body: dict) -> dict:
+        return body
 
     def _check(self) -> None:
         _non_negative(self, "position")
@@ -238,11 +269,27 @@ class PruneMask(PipelineMessage):
 class VerifyDone(PipelineMessage):
     """NpuVerifier -> Acceptor: last-layer hidden states of ``node_ids`` behind ``handle``."""
     KIND: ClassVar[str] = "verify.done"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     node_ids: np.ndarray  # int32 [m], strictly increasing
     handle: int
     compute_s: float
     io_wait_s: float      # time spent waiting for LayerReady during the pass
+    # v2: the verified tree echoed for the acceptor, the target's greedy token after each
+    # node, full logits rows when sampling, flash bytes the pass consumed
+    tokens: np.ndarray | None = None   # int32 [m]
+    parents: np.ndarray | None = None  # int32 [m]
+    argmax: np.ndarray | None = None   # int32 [m]
+    logits: np.ndarray | None = None   # float32 [m, vocab]
+    draft_dists: np.ndarray | None = None
+    bytes_read: int = 0
+    prefill: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @staticmethod
+    def upgrade_from_1(body: dict) -> dict:
+        return body
 
     def _check(self) -> None:
         _non_negative(self, "handle")

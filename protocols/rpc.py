@@ -41,9 +41,13 @@ buffering more: it replies ``frame_too_large`` (msgid nil) and closes the
 connection. Bytes that are not msgpack get ``parse_error`` (msgid nil) and the
 connection is closed, since the stream cannot be resynchronized. A message
 that stays incomplete for ``stall_timeout_s`` (default 30 s) gets
-``invalid_request`` (msgid nil) and the connection is closed. A well-formed
-msgpack value that is not a valid request gets ``invalid_request`` (its msgid
-when one can be read, else nil) and the connection stays open.
+``invalid_request`` (msgid nil) and the connection is closed; so is a
+connection that reads none of its replies for ``stall_timeout_s``. A
+well-formed msgpack value that is not a valid request gets
+``invalid_request`` (its msgid when one can be read, else nil) and the
+connection stays open. An idle connection is never timed out. At most
+``max_connections`` are served at once; one more gets ``busy`` (msgid nil)
+and is closed. End-of-file from the client counts as a disconnect.
 
 Methods
 =======
@@ -97,8 +101,10 @@ seed?: int | nil, stop?: [str] = [], mode?: str | nil}
     ``connections_open``, ``connections_total``, ``queue_length``,
     ``queue_depth``, ``running`` (bool), ``requests`` {accepted, completed,
     cancelled, failed, rejected_busy, rejected_invalid},
-    ``tokens_generated``, ``protocol_errors``, ``backend`` (sums of numeric
-    backend stats) and ``pool`` (the backend's buffer accounting). With a
+    ``tokens_generated``, ``protocol_errors``, ``internal_errors``,
+    ``backend`` (sums of the additive backend stats, with
+    ``flash_bytes_per_token`` and ``mean_accepted`` derived from them) and
+    ``pool`` (the backend's buffer accounting). With a
     ``request_id`` of this connection (in flight or among its last 256
     finished): also ``"request": {request_id, state, prompt_tokens,
     n_tokens, max_tokens, finish_reason, stats, timings}``, ``state`` being
@@ -150,6 +156,12 @@ Example exchange (msgpack shown as JSON)
     -> [0, 3, "generate", [{"prompt": "x", "max_tokens": 0}]]
     <- [1, 3, {"code": "invalid_params", "retryable": false,
                "message": "max_tokens must be between 1 and 4096, got 0"}, null]
+    -> [0, 4, "generate", [{"prompt": "long", "max_tokens": 1000}]]
+    <- [2, "token", [4, "def", [750]]]
+    -> [0, 5, "cancel", [{"request_id": 4}]]
+    <- [1, 5, null, {"request_id": 4, "cancelled": true, "state": "running"}]
+    <- [1, 4, null, {"request_id": 4, "text": "def", "token_ids": [750],
+                     "finish_reason": "cancelled", ...}]
 """
 from __future__ import annotations
 
@@ -345,9 +357,9 @@ class _Params:
             raise self.error(f"{name} must be {low} and at most {hi}, got {value}")
         return value
 
-    def string(self, name: str, *, required: bool = False) -> str | None:
+    def string(self, name: str) -> str | None:
         value = self.get(name)
-        if value is None and not required:
+        if value is None:
             return None
         if not isinstance(value, str):
             raise self.error(f"{name} must be a string, got {_type_name(value)}")

@@ -19,13 +19,13 @@ from gguf import GGUFWriter, TokenType
 from tokenizers import Tokenizer, models, normalizers, trainers
 from tokenizers.pre_tokenizers import ByteLevel
 
-from lever_actors.tokenizer import byte_level_alphabet, make_pre_tokenizer
+from lever_actors.tokenizer import DEFAULT_SYSTEM_PROMPT, byte_level_alphabet, make_pre_tokenizer
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# A compact ChatML template, equivalent to TextTokenizer.apply_chat_template (tools not supported).
+# A compact ChatML template that renders what TextTokenizer.apply_chat_template does.
 TINY_CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    f"{{{{- '<|im_start|>system\\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\\n' }}}}"
     "{%- endif %}"
     "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
