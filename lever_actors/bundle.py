@@ -4,7 +4,8 @@ Layout of a bundle directory::
 
     manifest.json    format version, dims, tokenizer, every array's byte range and checksums
     tokenizer.json   the tokenizers-library tokenizer (plus its spec in the manifest)
-    resident.bin     final norm + LM head, loaded into DRAM once
+    resident.bin     the LM head in vocabulary slices (each with the final norm), 4 KiB
+                     aligned: pinned in DRAM, or streamed like layers when the budget is small
     flash.bin        embedding rows (GGUF-native blocks, read a row at a time), then one
                      region per decoder layer, 4 KiB aligned, holding the layer's arrays
                      in exactly the layout the layer graph binds (no repacking per pass)
@@ -26,7 +27,7 @@ from lever_actors.errors import ModelError
 from lever_actors.graphs import Dims, MatSpec
 
 FORMAT = "lever-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: LM head stored in vocabulary slices ("head_chunks")
 ALIGN = 4096  # flash regions: O_DIRECT needs page-aligned offsets and lengths
 ARRAY_ALIGN = 64  # arrays inside a region: cache-line aligned views
 
@@ -158,8 +159,11 @@ class Bundle:
         return [Region.from_json(r) for r in self.manifest["layers"]]
 
     @property
-    def head(self) -> Region:
-        return Region.from_json(self.manifest["head"])
+    def head_chunks(self) -> list[Region]:
+        return [Region.from_json(r) for r in self.manifest["head_chunks"]]
+
+    def head_bytes(self) -> int:
+        return sum(r.nbytes for r in self.head_chunks)
 
     @property
     def embedding(self) -> dict:
@@ -193,7 +197,7 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
             f"{p} has bundle format {manifest.get('format_version')}, this lever-actors reads {FORMAT_VERSION}; "
             "convert the GGUF again"
         )
-    for name in {r["file"] for r in manifest["layers"]} | {manifest["head"]["file"]}:
+    for name in {r["file"] for r in manifest["layers"] + manifest["head_chunks"]}:
         if not (p / name).is_file():
             raise ModelError(f"bundle {p} is missing {name}")
     return Bundle(p, manifest)

@@ -95,6 +95,30 @@ class _Tensors:
         return map_weight(self.raw(name), t.tensor_type, k, n)
 
 
+def _write_head(out: RegionWriter, w, norm: np.ndarray, layer_bytes: int) -> list:
+    """The LM head in vocabulary slices about one layer in size, each with its own final norm.
+
+    A slice is a self-contained unit (norm + rows of the head), so a budget too small
+    to pin the whole head can stream it slice by slice through the layer buffers.
+    Each logit column depends only on its own row, so slicing changes no number.
+    """
+    per_row = sum(a.nbytes for a in w.arrays().values()) // w.n
+    rows = max(256, (layer_bytes // max(per_row, 1)) // 256 * 256)
+    regions = []
+    for lo in range(0, w.n, rows):
+        hi = min(lo + rows, w.n)
+        arrays = {"output_norm": norm}
+        if w.kind == "f32":
+            arrays["output.dense"] = w.dense[:, lo:hi]
+        else:
+            arrays["output.packed"], arrays["output.scales"] = w.packed[lo:hi], w.scales[lo:hi]
+            if w.corr is not None:
+                arrays["output.corr"] = w.corr[:, lo:hi]
+        mats = {"output": {"kind": w.kind, "k": w.k, "n": hi - lo, "block": w.block, "has_corr": w.corr is not None}}
+        regions.append(out.write(arrays, mats))
+    return regions
+
+
 def vocab_digest(spec: dict) -> str:
     """Hash of what must match between a draft and its target: token texts, types and merges."""
     h = hashlib.sha256()
@@ -166,11 +190,8 @@ def convert(gguf_path: str | os.PathLike, out: str | os.PathLike, *, progress: C
         flash.close()
         resident = RegionWriter(tmp / "resident.bin", "resident.bin")
         head_name = "output.weight" if ts.has("output.weight") else "token_embd.weight"
-        w = ts.matrix(head_name)
-        arrays = {"output_norm": ts.vector("output_norm.weight")}
-        arrays.update({f"output.{k}": v for k, v in w.arrays().items()})
-        mats = {"output": {"kind": w.kind, "k": w.k, "n": w.n, "block": w.block, "has_corr": w.corr is not None}}
-        head = resident.write(arrays, mats).to_json()
+        head = [r.to_json() for r in _write_head(resident, ts.matrix(head_name), ts.vector("output_norm.weight"),
+                                                   max(layers, key=lambda r: r["nbytes"])["nbytes"])]
         resident.close()
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION,
@@ -179,7 +200,7 @@ def convert(gguf_path: str | os.PathLike, out: str | os.PathLike, *, progress: C
             "dims": dims,
             "tokenizer": {"file": "tokenizer.json", "vocab_sha256": vocab_digest(spec),
                           "spec": {k: v for k, v in spec.items() if k not in ("tokens", "token_types", "merges")}},
-            "embedding": embedding, "layers": layers, "head": head,
+            "embedding": embedding, "layers": layers, "head_chunks": head,
             "gguf_layer_bytes": [sum(int(t.n_bytes) for n, t in ts.by_name.items() if n.startswith(f"blk.{i}."))
                                  for i in range(dims["n_layer"])],
         }

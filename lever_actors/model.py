@@ -154,10 +154,12 @@ class Transformer:
         self.regions = bundle.layers
         self.embedding = EmbeddingTable(bundle)
         self.kv = KVCache(self.n_layer, self.n_kv_head, context, self.head_dim)
-        self.head_region = bundle.head
-        self.head_graph = build_head(self.hidden, self.head_region.mat_specs()["output"], float(d["rms_eps"]), lane.accuracy)
-        self.head_bytes = self.head_region.nbytes
-        self.head_session = self.head_session_from_buffer(read_region(bundle, self.head_region)) if load_head else None
+        self.head_regions = bundle.head_chunks
+        self.n_head_chunks = len(self.head_regions)
+        self._head_graphs: dict[int, bytes] = {}
+        self.head_bytes = bundle.head_bytes()
+        self.head_sessions = [self.head_session_from_buffer(c, read_region(bundle, r))
+                              for c, r in enumerate(self.head_regions)] if load_head else None
         layers = range(self.n_layer) if resident_layers is None else resident_layers
         self.resident: dict[int, object] = {}
         self.resident_bytes = 0
@@ -166,8 +168,12 @@ class Transformer:
             self.resident[i] = self.layer_session_from_buffer(i, buf)
             self.resident_bytes += self.regions[i].nbytes
 
-    def head_session_from_buffer(self, buf) -> object:
-        return make_session(self.head_graph, self.head_region.views(buf), self.lane)
+    def head_session_from_buffer(self, chunk: int, buf) -> object:
+        region = self.head_regions[chunk]
+        spec = region.mat_specs()["output"]
+        if spec.n not in self._head_graphs:
+            self._head_graphs[spec.n] = build_head(self.hidden, spec, float(self.bundle.dims["rms_eps"]), self.lane.accuracy)
+        return make_session(self._head_graphs[spec.n], region.views(buf), self.lane)
 
     def layer_session_from_buffer(self, i: int, buf) -> object:
         region = self.regions[i]
@@ -191,7 +197,8 @@ class Transformer:
         return y
 
     def logits(self, hidden_rows: np.ndarray) -> np.ndarray:
-        return self.head_session.run(None, {"h": np.ascontiguousarray(hidden_rows, np.float32)})[0]
+        h = {"h": np.ascontiguousarray(hidden_rows, np.float32)}
+        return np.concatenate([s.run(None, h)[0] for s in self.head_sessions], axis=-1)
 
     def forward_resident(self, tokens, positions, slots, layout) -> np.ndarray:
         """All layers resident: final hidden states ``[N, H]`` of ``tokens``."""

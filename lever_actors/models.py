@@ -129,9 +129,15 @@ def fetch(roles=("target", "draft"), say: Callable[[str], None] | None = None) -
         src = DEFAULT_PAIR[role]
         dst = bundle_path(src)
         if (dst / "manifest.json").is_file():
-            load_bundle(dst)
-            out[role] = dst
-            continue
+            try:
+                load_bundle(dst)
+                out[role] = dst
+                continue
+            except ModelError as e:  # e.g. an older bundle format: rebuild it from the GGUF
+                say(f"fetch {role}: {e}; converting again")
+                import shutil
+
+                shutil.rmtree(dst)
         g = assemble_gguf(src, say)
         dst.parent.mkdir(parents=True, exist_ok=True)
         out[role] = convert(g, dst, progress=say, source_sha256=src.sha256)

@@ -1,0 +1,54 @@
+"""Acceptor: decides which drafted tokens the target accepts and what it commits."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import trio
+
+from protocols import Commit, PassStats, VerifyDone
+
+
+def decide(done: VerifyDone) -> tuple[list[int], list[int]]:
+    """(accepted node ids root first, committed tokens) for one verified tree. Pure."""
+    from lever_actors.sampling import SamplingParams, accept_greedy, accept_sampled, next_token, probs_from_logits
+
+    params = SamplingParams(done.temperature, done.top_p, done.seed)
+    if done.prefill:
+        tok = int(done.argmax[0]) if params.greedy else next_token(done.logits[0], params, done.step)
+        return [], [tok]
+    if params.greedy:
+        return accept_greedy(done.parents, done.tokens, done.argmax)
+    n = len(done.tokens)
+    target = [probs_from_logits(done.logits[i], params) for i in range(n)]
+    # node i's children were drawn from the draft distribution at node i (a chain: dists[i])
+    drafts = [done.draft_dists[i] if done.draft_dists is not None and i < len(done.draft_dists) else None
+              for i in range(n)]
+    return accept_sampled(done.parents, done.tokens, drafts, target, done.seed, done.step)
+
+
+class Acceptor:
+    """Inputs: ``done_recv`` (VerifyDone). Outputs: ``commit_send`` (Commit), then ``stats_send``
+    (PassStats of the same pass, for the planner and the run statistics).
+
+    Invariants: every Commit carries at least one token (the target's own token
+    after the accepted path); accepted nodes form a root-first path.
+    Backpressure: one verified pass at a time. Cancellation: stateless.
+    """
+
+    def __init__(self, done_recv, commit_send, stats_send, tracer) -> None:
+        self.done_recv, self.commit_send, self.stats_send, self.tracer = done_recv, commit_send, stats_send, tracer
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with self.done_recv, self.commit_send, self.stats_send:
+            task_status.started()
+            async for done in self.done_recv:
+                t0 = time.perf_counter()
+                path, tokens = decide(done)
+                self.tracer.add("accept", "accept", t0, time.perf_counter(), accepted=len(tokens))
+                await self.commit_send.send(Commit(session_id=done.session_id, step=done.step, epoch=done.epoch,
+                                                   tokens=tuple(tokens), accepted_nodes=tuple(path)))
+                await self.stats_send.send(PassStats(
+                    session_id=done.session_id, step=done.step, epoch=done.epoch, n_nodes=len(done.tokens),
+                    n_accepted=len(tokens) - 1, n_pruned=0, io_s=done.io_wait_s, compute_s=done.compute_s,
+                    draft_s=0.0, pass_s=0.0, bytes_read=done.bytes_read))

@@ -1,0 +1,94 @@
+"""FlashPrefetcher: streams the target's unpinned layers from flash into a bounded buffer pool."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import trio
+
+from protocols import LayerReady, LayerReleased
+
+
+@dataclass(frozen=True)
+class StreamStage:
+    """One streamed unit (a decoder layer, or the LM head as stage ``n_layer``)."""
+
+    stage: int
+    file: str
+    offset: int
+    nbytes: int
+
+
+class FlashPrefetcher:
+    """Reads the streamed stages in pass order, forever, as fast as free slots allow.
+
+    Every pass streams the same stages in the same order, so the prefetcher needs
+    no per-pass instructions: it cycles through the ring and blocks only on
+    buffers. That is what makes the next pass's first layers load while the
+    current pass finishes and the next tree is drafted.
+
+    Inputs: ``released_recv`` (LayerReleased: a slot handed back by the verifier).
+    Outputs: ``ready_send`` (LayerReady: stage ``layer`` is in pool slot ``slot``).
+    Invariants: stages are read in ring order; a slot is in at most one place
+    (free list, being read, or lent to the verifier); at most ``len(pool)`` slots
+    are lent, so the DRAM used by stream buffers never exceeds the pool.
+    Backpressure: blocks on a free slot, then on ``ready_send``.
+    Cancellation: a read in progress finishes (threads cannot be interrupted),
+    then the task exits; the pool is owned by the runtime, which closes it.
+    """
+
+    def __init__(self, stages: list[StreamStage], pool, files: dict, ready_send, released_recv,
+                 limiter: trio.CapacityLimiter, tracer, bandwidth: float | None = None) -> None:
+        self.stages, self.pool, self.files = stages, pool, files
+        self.ready_send, self.released_recv = ready_send, released_recv
+        self.limiter, self.tracer, self.bandwidth = limiter, tracer, bandwidth
+        self.free = list(range(len(pool)))
+        self.lent: set[int] = set()
+        self.bytes_read = 0
+        self.reads = 0
+        self.direct = all(f.direct for f in files.values())
+
+    def _read(self, stage: StreamStage, slot: int) -> float:
+        from lever_actors.flashio import throttle
+
+        t0 = time.perf_counter()
+        f = self.files[stage.file]
+        f.read_into(self.pool[slot], stage.offset, stage.nbytes)
+        throttle(stage.nbytes, t0, self.bandwidth)
+        t1 = time.perf_counter()
+        self.tracer.add(f"read {stage.stage}", "flash", t0, t1, bytes=stage.nbytes, slot=slot)
+        return t1 - t0
+
+    def _take_back(self, msg: LayerReleased) -> None:
+        if msg.slot not in self.lent:
+            raise RuntimeError(f"slot {msg.slot} released twice or never lent (layer {msg.layer})")
+        self.lent.remove(msg.slot)
+        self.free.append(msg.slot)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with self.ready_send, self.released_recv:
+            task_status.started()
+            if not self.stages:
+                async for msg in self.released_recv:  # nothing streams: just wait for shutdown
+                    self._take_back(msg)
+                return
+            step = 0
+            while True:
+                for stage in self.stages:
+                    while True:  # take back everything already returned, then wait if still none free
+                        try:
+                            self._take_back(self.released_recv.receive_nowait())
+                        except trio.WouldBlock:
+                            break
+                    while not self.free:
+                        self._take_back(await self.released_recv.receive())
+                    slot = self.free.pop()
+                    self.lent.add(slot)
+                    io_s = await trio.to_thread.run_sync(self._read, stage, slot, limiter=self.limiter)
+                    self.bytes_read += stage.nbytes
+                    self.reads += 1
+                    self.direct = self.direct and self.files[stage.file].direct
+                    await self.ready_send.send(LayerReady(session_id=0, step=step, epoch=0, layer=stage.stage,
+                                                          slot=slot, nbytes=stage.nbytes, io_s=io_s,
+                                                          direct_io=self.files[stage.file].direct))
+                step += 1

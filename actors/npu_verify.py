@@ -1,0 +1,181 @@
+"""NpuVerifier: runs the target over a token tree, layer by layer, as layers arrive from flash."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import trio
+
+from protocols import LayerReleased, VerifyDone, VerifyPlan
+
+PREFILL_CHUNK = 64  # rows per layer call while prefilling (bounds activation memory)
+
+
+def tree_visible(parents: np.ndarray, base: int) -> list[list[int]]:
+    """Slots each node attends to inside the tree: its ancestors then itself (node i at slot base+i)."""
+    vis: list[list[int]] = []
+    for i, p in enumerate(parents):
+        vis.append((vis[p] if p >= 0 else []) + [base + i])
+        if p >= i:
+            raise ValueError(f"node {i}: parent {p} must come before it")
+    return vis
+
+
+class NpuVerifier:
+    """Owns the target's KV cache, pinned layer sessions and the verification lane.
+
+    Inputs: ``plans_recv`` (VerifyPlan), ``ready_recv`` (LayerReady from the prefetcher).
+    Outputs: ``done_send`` (VerifyDone), ``released_send`` (LayerReleased; sized to
+    the pool so ``send_nowait`` never fails).
+    Invariants: layers run in order 0..L-1 then the head; every streamed buffer is
+    released exactly once, right after its session is built (ORT copies the
+    weights, so the buffer is free as soon as the session exists); the KV cache
+    keeps the committed prefix in slots ``0..length-1``.
+    Backpressure: a streamed stage waits for its LayerReady; at most
+    ``lookahead`` built sessions wait for the compute lane.
+    Cancellation: threads finish their call; buffers already lent are returned
+    before the task exits only if their session was built; the runtime closes the
+    pool afterwards, so nothing leaks.
+    """
+
+    def __init__(self, target, streamed: list[int], pinned_sessions: dict, head_sessions, plans_recv, done_send,
+                 ready_recv, released_send, pool, npu_limiter, build_limiter, tracer, lookahead: int = 1) -> None:
+        self.m = target  # lever_actors.model.Transformer without resident layers
+        self.streamed = streamed
+        self.stage_count = target.n_layer + target.n_head_chunks  # layers, then the head's vocabulary slices
+        self.pinned = dict(pinned_sessions)
+        if head_sessions is not None:  # pinned head: stages n_layer.. are resident too
+            self.pinned.update({target.n_layer + c: s for c, s in enumerate(head_sessions)})
+        self.plans_recv, self.done_send = plans_recv, done_send
+        self.ready_recv, self.released_send = ready_recv, released_send
+        self.pool = pool
+        self.npu, self.build = npu_limiter, build_limiter
+        self.tracer = tracer
+        self.lookahead = lookahead
+        self.base = 0  # slot of the current pass's root
+        self.released = 0
+        self.received = 0
+        self.skipped = 0
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with self.plans_recv, self.done_send, self.ready_recv, self.released_send:
+            task_status.started()
+            async for plan in self.plans_recv:
+                await self.done_send.send(await self.verify(plan))
+
+    def _build(self, stage: int, slot: int):
+        t0 = time.perf_counter()
+        buf = self.pool[slot]
+        if stage >= self.m.n_layer:
+            sess = self.m.head_session_from_buffer(stage - self.m.n_layer, buf)
+        else:
+            sess = self.m.layer_session_from_buffer(stage, buf)
+        self.tracer.add(f"build {stage}", "build", t0, time.perf_counter())
+        return sess
+
+    async def _builder(self, out_send) -> None:
+        """Turn this pass's LayerReady messages into sessions, in order, releasing each buffer."""
+        async with out_send:
+            for k, stage in enumerate(self.streamed):
+                while True:
+                    msg = await self.ready_recv.receive()
+                    self.received += 1
+                    if msg.layer == stage:
+                        break
+                    if k > 0:
+                        raise RuntimeError(f"flash delivered stage {msg.layer}, verifier needs {stage}")
+                    # a cancelled pass left the ring mid-way: hand back its read-ahead, resync at the start
+                    self._release(msg)
+                    self.skipped += 1
+                try:
+                    sess = await trio.to_thread.run_sync(self._build, stage, msg.slot, limiter=self.build)
+                finally:
+                    self._release(msg)  # also when cancelled: the slot always goes back
+                await out_send.send((stage, sess, msg.nbytes))
+
+    def _release(self, msg) -> None:
+        self.released_send.send_nowait(LayerReleased(session_id=0, step=msg.step, epoch=0, layer=msg.layer, slot=msg.slot))
+        self.released += 1
+
+    def _run_stage(self, stage: int, sess, x: np.ndarray, feeds_list, slots_list, rows) -> np.ndarray:
+        t0 = time.perf_counter()
+        if stage >= self.m.n_layer:
+            out = sess.run(None, {"h": np.ascontiguousarray(x[rows], np.float32)})[0]
+        else:
+            parts = []
+            for (lo, hi), feeds, slots in zip(self._chunks, feeds_list, slots_list):
+                parts.append(self.m.run_layer(stage, sess, x[lo:hi], feeds, slots))
+            out = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        self.tracer.add(f"layer {stage}" if stage < self.m.n_layer else f"lm head {stage - self.m.n_layer}", "npu",
+                        t0, time.perf_counter(),
+                        rows=int(len(x)))
+        return out
+
+    async def verify(self, plan: VerifyPlan) -> VerifyDone:
+        kv = self.m.kv
+        if plan.prefill:
+            kv.truncate(0)  # a prefill starts a new session
+        elif plan.prev_accepted:
+            kv.commit([self.base + int(n) for n in plan.prev_accepted])
+        t_start = time.perf_counter()
+        tokens = np.asarray(plan.tokens, np.int64)
+        n = len(tokens)
+        base = kv.length
+        if base + n > kv.context:
+            raise RuntimeError(f"KV cache full: {base} + {n} > {kv.context}")
+        self.base = base
+        slots = np.arange(base, base + n)
+        positions = plan.position + np.asarray(plan.depths, np.int64)
+        from lever_actors.model import attention_layout, causal_layout
+
+        if plan.prefill:
+            self._chunks = [(lo, min(lo + PREFILL_CHUNK, n)) for lo in range(0, n, PREFILL_CHUNK)]
+            layouts = [causal_layout(kv.context, base + lo, hi - lo) for lo, hi in self._chunks]
+            rows = np.array([n - 1])
+        else:
+            self._chunks = [(0, n)]
+            layouts = [attention_layout(kv.context, base, tree_visible(np.asarray(plan.parents), base))]
+            rows = np.arange(n)
+        slots_list = [slots[lo:hi] for lo, hi in self._chunks]
+        feeds_list = [self.m.feeds(positions[lo:hi], s, lay) for (lo, hi), s, lay in zip(self._chunks, slots_list, layouts)]
+        x = self.m.embedding.lookup(tokens)
+        compute_s = wait_s = 0.0
+        bytes_read = 0
+        head_parts: list[np.ndarray] = []
+        built_send, built_recv = trio.open_memory_channel(self.lookahead)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._builder, built_send)
+            async with built_recv:
+                for stage in range(self.stage_count):
+                    if stage in self.pinned:
+                        sess = self.pinned[stage]
+                    else:
+                        t0 = time.perf_counter()
+                        got, sess, nbytes = await built_recv.receive()
+                        wait_s += time.perf_counter() - t0
+                        bytes_read += nbytes
+                        if got != stage:
+                            raise RuntimeError(f"built stage {got} out of order (expected {stage})")
+                    t0 = time.perf_counter()
+                    y = await trio.to_thread.run_sync(self._run_stage, stage, sess, x, feeds_list, slots_list, rows,
+                                                      limiter=self.npu)
+                    if stage < self.m.n_layer:
+                        x = y
+                    else:
+                        head_parts.append(y)
+                    compute_s += time.perf_counter() - t0
+                    del sess
+        logits = np.concatenate(head_parts, axis=-1)  # [rows, V]
+        if plan.prefill:
+            kv.commit(slots)
+        self.tracer.add("verify pass" if not plan.prefill else "prefill pass", "session", t_start, time.perf_counter(),
+                        nodes=n)
+        return VerifyDone(
+            session_id=plan.session_id, step=plan.step, epoch=plan.epoch,
+            node_ids=np.arange(len(rows), dtype=np.int32), handle=0, compute_s=compute_s, io_wait_s=wait_s,
+            tokens=np.asarray(plan.tokens, np.int32)[rows] if plan.prefill else np.asarray(plan.tokens, np.int32),
+            parents=np.full(1, -1, np.int32) if plan.prefill else np.asarray(plan.parents, np.int32),
+            argmax=np.argmax(logits, axis=-1).astype(np.int32),
+            logits=logits.astype(np.float32) if plan.want_logits else None,
+            draft_dists=plan.draft_dists, bytes_read=bytes_read, prefill=plan.prefill,
+        )

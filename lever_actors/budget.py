@@ -1,0 +1,86 @@
+"""DRAM budget accounting: what is pinned, what streams, and whether it fits at all.
+
+Pure functions, no I/O. Every large allocation is a line item: draft weights,
+KV caches, the LM head, pinned target layers, stream slots and activations. A
+stream *slot* holds one layer from the moment its read starts until its compute
+ends: the read buffer (flash bytes) plus the ORT session built from it (the
+prepacked copy), so ``slot_bytes = layer_bytes * (1 + PREPACK_FACTOR)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# ORT keeps MatMulNBits weights in its own prepacked layout (scales and block sums
+# added) plus copies of small initializers: measured RSS / bundle bytes of a whole
+# model's sessions was 1.29 (draft) and 1.30 (target LM head) on onnxruntime 1.32.
+PREPACK_FACTOR = 1.3
+MIN_SLOTS = 2  # double buffering: read layer l+1 while layer l computes
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    budget: int | None
+    items: dict[str, int]  # fixed line items (bytes)
+    pinned: tuple[int, ...]  # target layers kept in DRAM
+    streamed: tuple[int, ...]  # target layers read from flash every pass, in pass order
+    head_streamed: bool
+    n_slots: int
+    slot_bytes: int
+    layer_bytes: tuple[int, ...] = field(default=())
+
+    @property
+    def total(self) -> int:
+        pinned = sum(int(self.layer_bytes[i] * PREPACK_FACTOR) for i in self.pinned)
+        return sum(self.items.values()) + pinned + self.n_slots * self.slot_bytes
+
+    def describe(self) -> str:
+        mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+        parts = [f"{k} {mib(v)}" for k, v in self.items.items()]
+        parts.append(f"{len(self.pinned)} pinned layers {mib(sum(int(self.layer_bytes[i] * PREPACK_FACTOR) for i in self.pinned))}")
+        parts.append(f"{self.n_slots} stream slots x {mib(self.slot_bytes)}")
+        cap = "unlimited" if self.budget is None else mib(self.budget)
+        return f"DRAM {mib(self.total)} of {cap}: " + ", ".join(parts)
+
+
+def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int], head_chunk_bytes: list[int],
+                max_slots: int = 4) -> BudgetPlan:
+    """Pin as many target layers as fit (earliest first), stream the rest.
+
+    ``items`` are fixed costs that must be resident (draft, KV caches, activations).
+    The LM head is pinned when it fits beside two stream slots; otherwise its
+    vocabulary slices stream after the last layer, like layers. Raises
+    :class:`BudgetError` with the numbers when even streaming everything cannot fit.
+    """
+    from lever_actors.errors import BudgetError
+
+    n = len(layer_bytes)
+    head_cost = int(sum(head_chunk_bytes) * PREPACK_FACTOR)
+    if budget is None:
+        return BudgetPlan(None, dict(items, lm_head=head_cost), tuple(range(n)), (), False, 0, 0, tuple(layer_bytes))
+    biggest = max(list(layer_bytes) + list(head_chunk_bytes), default=0)
+    slot = int(biggest * (1 + PREPACK_FACTOR))
+    for head_streamed in (False, True):
+        line = dict(items) if head_streamed else dict(items, lm_head=head_cost)
+        spare = budget - sum(line.values()) - MIN_SLOTS * slot
+        if spare < 0:
+            continue
+        pinned: list[int] = []
+        for i in range(n):
+            cost = int(layer_bytes[i] * PREPACK_FACTOR)
+            if cost > spare:
+                break
+            pinned.append(i)
+            spare -= cost
+        streamed = tuple(i for i in range(n) if i not in pinned)
+        if not streamed and not head_streamed:
+            return BudgetPlan(budget, line, tuple(pinned), (), False, 0, 0, tuple(layer_bytes))
+        extra = min(max_slots - MIN_SLOTS, spare // slot)
+        return BudgetPlan(budget, line, tuple(pinned), streamed, head_streamed, MIN_SLOTS + extra, slot,
+                          tuple(layer_bytes))
+    need = sum(items.values()) + MIN_SLOTS * slot
+    mib = lambda v: f"{v / 2**20:,.0f} MiB"  # noqa: E731
+    detail = ", ".join(f"{k} {mib(v)}" for k, v in items.items())
+    raise BudgetError(
+        f"a DRAM budget of {mib(budget)} cannot run this model pair: the resident minimum is {mib(need)} "
+        f"({detail}, plus {MIN_SLOTS} stream slots of {mib(slot)}); raise --dram-budget to at least {mib(need)}"
+    )

@@ -1,0 +1,300 @@
+"""The actor pipeline: wiring table, start-up order, and the per-generation driver.
+
+::
+
+    FlashPrefetcher --LayerReady--> NpuVerifier --VerifyDone--> Acceptor --Commit--> driver
+          ^------------LayerReleased----'  ^---VerifyPlan--- driver ---DraftRequest--> Drafter
+                                                               ^----DraftExpansion-----'
+
+The driver (:class:`Pipeline.generate`) is the session: it turns commits into
+output tokens and plans the next pass. The prefetcher cycles through the
+streamed layers on its own, so reads of the next pass start as soon as a buffer
+frees up.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from actors.accept import Acceptor
+from actors.draft import Drafter
+from actors.flash_prefetch import FlashPrefetcher, StreamStage
+from actors.npu_verify import NpuVerifier
+from lever_actors.budget import BudgetPlan, plan_budget
+from lever_actors.bundle import load_bundle, read_region
+from lever_actors.errors import ModelIncompatible
+from lever_actors.flashio import FlashFile, aligned_buffer
+from lever_actors.model import Transformer
+from lever_actors.ortrt import LaneConfig
+from lever_actors.sampling import SamplingParams
+from lever_actors.trace import Tracer
+from protocols import DraftRequest, VerifyPlan
+
+# Channel capacities, one table (STYLE 8.7). One pass is in flight at a time, so
+# every link carries at most one message per pass; 1 is enough and keeps
+# backpressure tight. The release link is sized to the pool (see FlashPrefetcher).
+CHANNELS = {"ready": 1, "plans": 1, "done": 1, "commits": 1, "stats": 1, "draft_requests": 1, "drafts": 1}
+
+
+def activation_bytes(dims: dict, context: int, rows: int = 64) -> int:
+    """Peak activations of one layer call over ``rows`` tokens plus their logits (fp32)."""
+    per_row = 3 * dims["ffn"] + 6 * dims["hidden"] + 3 * dims["n_head"] * context + dims["vocab_size"]
+    return rows * per_row * 4
+
+
+@dataclass
+class RunStats:
+    passes: int = 0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    committed: int = 0
+    flash_bytes: int = 0
+    io_wait_s: float = 0.0
+    compute_s: float = 0.0
+    draft_s: float = 0.0
+    pass_s: float = 0.0
+    accept_hist: dict = field(default_factory=dict)
+
+    def as_dict(self, io_busy_s: float = 0.0) -> dict:
+        p = max(self.passes, 1)
+        return {
+            "passes": self.passes, "draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted,
+            "mean_accepted": self.committed / p, "n_tokens": self.committed,
+            "flash_bytes_read": self.flash_bytes, "flash_bytes_per_token": self.flash_bytes / max(self.committed, 1),
+            "io_s": io_busy_s, "io_wait_s": self.io_wait_s, "compute_s": self.compute_s, "draft_s": self.draft_s,
+            "pass_s": self.pass_s, "io_s_per_pass": io_busy_s / p, "compute_s_per_pass": self.compute_s / p,
+            "overlap": 1.0 - self.io_wait_s / io_busy_s if io_busy_s > 0 else 1.0,
+            "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
+        }
+
+
+def build_budget(cfg, target, draft_bundle, draft_bytes: int) -> BudgetPlan:
+    d = target.dims
+    kv = 2 * d["n_layer"] * d["n_kv_head"] * cfg.context * d["head_dim"] * 4
+    items = {"target_kv": kv, "activations": activation_bytes(d, cfg.context)}
+    if draft_bundle is not None:
+        dd = draft_bundle.dims
+        items["draft_weights"] = draft_bytes
+        items["draft_kv"] = 2 * dd["n_layer"] * dd["n_kv_head"] * cfg.context * dd["head_dim"] * 4
+    budget = cfg.dram_budget if cfg.mode != "resident-ar" else None
+    return plan_budget(budget, items, target.layer_bytes(), [r.nbytes for r in target.head_chunks])
+
+
+class Pipeline:
+    """The running actors plus the channel ends the driver uses."""
+
+    def __init__(self, cfg, plan: BudgetPlan, target: Transformer, drafter: Drafter | None, tok_eos: set[int],
+                 tracer: Tracer, prefetcher: FlashPrefetcher, verifier: NpuVerifier) -> None:
+        self.cfg, self.plan, self.target, self.drafter = cfg, plan, target, drafter
+        self.eos = tok_eos
+        self.tracer, self.prefetcher, self.verifier = tracer, prefetcher, verifier
+        self.session_id = 0
+        self.stale = 0
+
+    def describe(self) -> dict:
+        return {"mode": self.cfg.mode_string(), "pinned_layers": list(self.plan.pinned),
+                "streamed_layers": list(self.plan.streamed), "head_streamed": self.plan.head_streamed,
+                "stream_slots": self.plan.n_slots, "budget": self.plan.describe(),
+                "direct_io": self.prefetcher.direct}
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, emit) -> tuple[list[int], str, dict]:
+        """Generate up to ``max_tokens`` after ``prompt_ids``; ``await emit(token_ids)`` per commit
+        (a truthy return value stops the generation).
+
+        Returns (token ids, finish reason, stats). Greedy output equals
+        resident-ar output token for token, whatever the draft does.
+        """
+        from lever_actors.decode import check_context
+
+        cfg = self.cfg
+        gamma = cfg.gamma if cfg.mode == "flash-chain" else 0
+        check_context(len(prompt_ids), max_tokens, self.target.context, slack=gamma + 1)
+        self.session_id += 1
+        sid = self.session_id
+        stats = RunStats()
+        out: list[int] = []
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
+        io_before = self.prefetcher.bytes_read
+        t_io0 = self.tracer.busy("flash")
+        if self.drafter is not None:  # the draft digests the prompt while the target prefills
+            await self.draft_send.send(DraftRequest(session_id=sid, step=0, epoch=0, root_token=prompt_ids[-1],
+                                                    position=len(prompt_ids) - 1, max_nodes=0, max_depth=0, top_k=1,
+                                                    committed=tuple(prompt_ids), reset=True, **sampling))
+        n = len(prompt_ids)
+        await self.plan_send.send(VerifyPlan(
+            session_id=sid, step=0, epoch=0, position=0, tokens=np.asarray(prompt_ids, np.int32),
+            parents=np.arange(-1, n - 1, dtype=np.int32), depths=np.arange(n, dtype=np.int32), bucket=n,
+            prefill=True, **sampling))
+        if self.drafter is not None:
+            await self._receive(self.draft_recv, sid)
+        commit = await self._receive(self.commit_recv, sid)
+        await self._receive(self.stats_recv, sid)
+        step, finish = 0, "length"
+        root = commit.tokens[-1]
+        new_committed = list(commit.tokens)  # tokens the draft has not seen, root last
+        prev_accepted: tuple[int, ...] = ()
+        t_decode = time.perf_counter()
+        while True:
+            take = commit.tokens[: max_tokens - len(out)]
+            stop_at = next((i for i, t in enumerate(take) if t in self.eos), None)
+            if stop_at is not None:
+                take, finish = take[: stop_at + 1], "stop"
+            out.extend(take)
+            if take and await emit(list(take)):
+                finish = "stop"  # the caller saw a stop string
+            if finish == "stop" or len(out) >= max_tokens:
+                break
+            step += 1
+            t_pass = time.perf_counter()
+            if gamma:
+                await self.draft_send.send(DraftRequest(
+                    session_id=sid, step=step, epoch=0, root_token=root, position=len(prompt_ids) + len(out) - 1,
+                    max_nodes=gamma, max_depth=gamma, top_k=1, committed=tuple(new_committed), **sampling))
+                exp = await self._receive(self.draft_recv, sid)
+                drafted = [int(t) for t in exp.tokens]
+                dists = exp.dists
+                stats.draft_s += exp.draft_s
+            else:
+                drafted, dists = [], None
+            tokens = np.asarray([root] + drafted, np.int32)
+            k = len(tokens)
+            await self.plan_send.send(VerifyPlan(
+                session_id=sid, step=step, epoch=0, position=len(prompt_ids) + len(out) - 1, tokens=tokens,
+                parents=np.arange(-1, k - 1, dtype=np.int32), depths=np.arange(k, dtype=np.int32), bucket=k,
+                prev_accepted=prev_accepted, want_logits=not params.greedy, draft_dists=dists, **sampling))
+            commit = await self._receive(self.commit_recv, sid)
+            ps = await self._receive(self.stats_recv, sid)
+            stats.compute_s += ps.compute_s
+            stats.io_wait_s += ps.io_s
+            stats.passes += 1
+            stats.pass_s += time.perf_counter() - t_pass
+            stats.draft_n += len(drafted)
+            stats.draft_n_accepted += len(commit.tokens) - 1
+            stats.committed += len(commit.tokens)
+            stats.accept_hist[len(commit.tokens)] = stats.accept_hist.get(len(commit.tokens), 0) + 1
+            prev_accepted = commit.accepted_nodes
+            root = commit.tokens[-1]
+            new_committed = list(commit.tokens)
+        stats.flash_bytes = self.prefetcher.bytes_read - io_before
+        d = stats.as_dict(self.tracer.busy("flash") - t_io0)
+        d.update(self.verifier_stats())
+        d["decode_s"] = time.perf_counter() - t_decode
+        return out, finish, d
+
+    async def _receive(self, chan, sid: int):
+        """Next message of session ``sid``; answers to an abandoned (cancelled) session are dropped."""
+        while True:
+            msg = await chan.receive()
+            if msg.session_id == sid:
+                return msg
+            self.stale += 1
+
+    def verifier_stats(self) -> dict:
+        return {"direct_io": self.prefetcher.direct, "pinned_layers": len(self.plan.pinned),
+                "streamed_layers": len(self.plan.streamed), "head_streamed": self.plan.head_streamed}
+
+
+def _draft_weight_bytes(bundle) -> int:
+    from lever_actors.budget import PREPACK_FACTOR
+
+    return int((sum(bundle.layer_bytes()) + bundle.head_bytes()) * PREPACK_FACTOR)
+
+
+@asynccontextmanager
+async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: set[int], tracer: Tracer | None = None):
+    """Load models inside the budget, start every actor, yield a :class:`Pipeline`."""
+    tracer = tracer or Tracer(enabled=True)
+    tb = load_bundle(target_dir)
+    db = load_bundle(draft_dir) if draft_dir is not None else None
+    if db is not None:
+        tv, dv = tb.manifest["tokenizer"].get("vocab_sha256"), db.manifest["tokenizer"].get("vocab_sha256")
+        if tv != dv or tb.dims["vocab_size"] != db.dims["vocab_size"]:
+            raise ModelIncompatible(
+                f"draft {db.path} and target {tb.path} have different vocabularies "
+                f"({db.dims['vocab_size']} vs {tb.dims['vocab_size']} tokens, digest {str(dv)[:12]} vs {str(tv)[:12]})")
+    plan = build_budget(cfg, tb, db, _draft_weight_bytes(db) if db is not None else 0)
+    lane = cfg.lane
+    target = await trio.to_thread.run_sync(
+        lambda: Transformer(tb, cfg.context, lane, resident_layers=list(plan.pinned), load_head=not plan.head_streamed))
+    drafter_model = None
+    if db is not None:
+        draft_lane = LaneConfig(threads=1, providers=("cpu",), precision=lane.precision)
+        drafter_model = await trio.to_thread.run_sync(lambda: Transformer(db, cfg.context, draft_lane))
+    stages = [StreamStage(i, r.file, r.offset, r.nbytes) for i, r in enumerate(tb.layers) if i in plan.streamed]
+    if plan.head_streamed:
+        stages += [StreamStage(tb.n_layer + c, h.file, h.offset, h.nbytes) for c, h in enumerate(tb.head_chunks)]
+    slot_read = max((s.nbytes for s in stages), default=0)
+    pool = [aligned_buffer(slot_read) for _ in range(plan.n_slots if stages else 0)]
+    files = {name: FlashFile(str(tb.file(name))) for name in {s.file for s in stages}}
+    try:
+        ready_send, ready_recv = trio.open_memory_channel(CHANNELS["ready"])
+        rel_send, rel_recv = trio.open_memory_channel(max(len(pool), 1))
+        plan_send, plan_recv = trio.open_memory_channel(CHANNELS["plans"])
+        done_send, done_recv = trio.open_memory_channel(CHANNELS["done"])
+        commit_send, commit_recv = trio.open_memory_channel(CHANNELS["commits"])
+        stats_send, stats_recv = trio.open_memory_channel(CHANNELS["stats"])
+        limits = {"flash": trio.CapacityLimiter(1), "npu": trio.CapacityLimiter(1), "build": trio.CapacityLimiter(1),
+                  "cpu": trio.CapacityLimiter(1)}
+        prefetcher = FlashPrefetcher(stages, pool, files, ready_send, rel_recv, limits["flash"], tracer, cfg.flash_bandwidth)
+        verifier = NpuVerifier(target, [s.stage for s in stages], target.resident, target.head_sessions,
+                               plan_recv, done_send, ready_recv, rel_send, pool, limits["npu"], limits["build"], tracer)
+        acceptor = Acceptor(done_recv, commit_send, stats_send, tracer)
+        drafter = None
+        pipe = Pipeline(cfg, plan, target, None, eos_ids, tracer, prefetcher, verifier)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(prefetcher.run)
+            await nursery.start(verifier.run)
+            await nursery.start(acceptor.run)
+            if drafter_model is not None:
+                dreq_send, dreq_recv = trio.open_memory_channel(CHANNELS["draft_requests"])
+                dout_send, dout_recv = trio.open_memory_channel(CHANNELS["drafts"])
+                drafter = Drafter(drafter_model, dreq_recv, dout_send, limits["cpu"], tracer)
+                await nursery.start(drafter.run)
+                pipe.drafter, pipe.draft_send, pipe.draft_recv = drafter, dreq_send, dout_recv
+            pipe.plan_send, pipe.commit_recv, pipe.stats_recv = plan_send, commit_recv, stats_recv
+            try:
+                yield pipe
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        for f in files.values():
+            f.close()
+        for b in pool:
+            b.close()
+
+
+def run_generation(cfg, tbundle, dbundle, tok, ids, max_tokens, params, on_token, on_text, dec, t0):
+    """Synchronous entry for ``generate``: one pipeline, one generation."""
+    from lever_actors.engine import Result
+
+    tracer = Tracer(enabled=True)
+    result = {}
+
+    async def main():
+        async with open_pipeline(cfg, tbundle, dbundle, set(tok.eos_ids), tracer) as pipe:
+            load_s = time.perf_counter() - t0
+
+            async def emit(toks):
+                for t in toks:
+                    on_token(t)
+
+            t1 = time.perf_counter()
+            toks, finish, stats = await pipe.generate(ids, max_tokens, params, emit)
+            stats.update(pipe.describe())
+            result.update(toks=toks, finish=finish, stats=stats, load_s=load_s, total=time.perf_counter() - t1)
+
+    trio.run(main)
+    tail = dec.flush()
+    if tail:
+        on_text(tail)
+    if cfg.trace:
+        tracer.write(cfg.trace)
+    st = result["stats"]
+    text = tok.decode([t for t in result["toks"] if t not in tok.eos_ids])
+    return Result(list(ids), result["toks"], text, result["finish"], result["load_s"],
+                  result["total"] - st["decode_s"], st["decode_s"], st)

@@ -1,0 +1,103 @@
+"""The real daemon backend: one pipeline, loaded at start, serving generations one at a time."""
+from __future__ import annotations
+
+import time
+
+import trio
+
+from lever_actors.backend import GenerateOutcome, GenerateParams
+from lever_actors.errors import ConfigError
+from lever_actors.sampling import SamplingParams
+
+
+class EngineBackend:
+    """Implements :class:`lever_actors.backend.Backend` over :func:`lever_actors.runtime.open_pipeline`.
+
+    ``run()`` (started by the daemon before it listens) loads the models and
+    keeps the pipeline's actors alive for the daemon's lifetime.
+    """
+
+    def __init__(self, cfg) -> None:
+        from lever_actors.engine import load_tokenizer
+        from lever_actors.models import resolve_bundle
+
+        self.cfg = cfg
+        self.tdir = resolve_bundle(cfg.target, "target")
+        self.ddir = resolve_bundle(cfg.draft, "draft") if cfg.mode == "flash-chain" else None
+        self.tok = load_tokenizer(self.tdir)
+        self.pipe = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        from lever_actors.runtime import open_pipeline
+
+        async with open_pipeline(self.cfg, self.tdir, self.ddir, set(self.tok.eos_ids)) as pipe:
+            self.pipe = pipe
+            task_status.started()
+            await trio.sleep_forever()
+
+    def describe(self) -> dict:
+        from lever_actors.bundle import load_bundle
+
+        models = {"target": str(self.tdir)}
+        if self.ddir:
+            models["draft"] = str(self.ddir)
+        d = {"models": models, "mode": self.cfg.mode_string(),
+             "modes": [self.cfg.mode_string()], "context_length": self.cfg.context,
+             "dram_budget_bytes": self.cfg.dram_budget, "vocab_size": load_bundle(self.tdir).dims["vocab_size"]}
+        if self.pipe is not None:
+            d["plan"] = self.pipe.describe()
+        return d
+
+    def _prompt_text(self, params: GenerateParams) -> str:
+        if params.messages is not None:
+            return self.tok.apply_chat_template(params.messages)
+        return params.prompt or ""
+
+    def count_prompt_tokens(self, params: GenerateParams) -> int:
+        return len(self.tok.encode(self._prompt_text(params)))
+
+    def pool_stats(self) -> dict:
+        if self.pipe is None:
+            return {"buffers_total": 0, "buffers_free": 0}
+        pf = self.pipe.prefetcher
+        return {"buffers_total": len(pf.pool), "buffers_lent": len(pf.lent),
+                "bytes_read": pf.bytes_read, "reads": pf.reads}
+
+    async def generate(self, params: GenerateParams, emit) -> GenerateOutcome:
+        if params.mode and params.mode != self.cfg.mode_string():
+            raise ConfigError(f"this daemon runs mode {self.cfg.mode_string()}; restart it with --mode {params.mode}")
+        if self.pipe is None:
+            raise RuntimeError("the pipeline is not running")
+        ids = self.tok.encode(self._prompt_text(params))
+        sampling = SamplingParams(params.temperature, params.top_p, params.seed or 0)
+        dec = self.tok.incremental_decoder()
+        eos = set(self.tok.eos_ids)
+        text_parts: list[str] = []
+        emitted: list[int] = []
+        state = {"stop": False}
+
+        async def on_tokens(toks: list[int]) -> bool:
+            if state["stop"]:
+                return True
+            piece = "".join(dec.feed(t) for t in toks if t not in eos)
+            so_far = "".join(text_parts) + piece
+            hit = min((so_far.find(s) for s in params.stop if s and s in so_far), default=-1)
+            if hit >= 0:
+                piece = so_far[:hit][len("".join(text_parts)):]
+                state["stop"] = True
+            text_parts.append(piece)
+            emitted.extend(toks)
+            await emit(piece, list(toks))
+            return state["stop"]
+
+        t0 = time.perf_counter()
+        _, finish, stats = await self.pipe.generate(ids, params.max_tokens, sampling, on_tokens)
+        if state["stop"]:
+            finish = "stop"
+        else:
+            tail = dec.flush()
+            if tail:
+                text_parts.append(tail)
+                await emit(tail, [])
+        stats = dict(stats, elapsed_s=time.perf_counter() - t0, prompt_tokens=len(ids))
+        return GenerateOutcome("".join(text_parts), list(emitted), finish, stats)
