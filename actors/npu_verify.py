@@ -56,6 +56,7 @@ class NpuVerifier:
         self.released = 0
         self.received = 0
         self.skipped = 0
+        self.holding: dict[int, object] = {}  # slot -> LayerReady lent to the current pass
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with self.plans_recv, self.done_send, self.ready_recv, self.released_send:
@@ -74,7 +75,11 @@ class NpuVerifier:
         return sess
 
     async def _builder(self, out_send) -> None:
-        """Turn this pass's LayerReady messages into sessions, in order, releasing each buffer."""
+        """Turn this pass's LayerReady messages into sessions, in order.
+
+        A slot stays lent until its stage has computed, so the pool bounds buffers
+        *and* the sessions built from them (what the DRAM budget counts per slot).
+        """
         async with out_send:
             for k, stage in enumerate(self.streamed):
                 while True:
@@ -87,11 +92,12 @@ class NpuVerifier:
                     # a cancelled pass left the ring mid-way: hand back its read-ahead, resync at the start
                     self._release(msg)
                     self.skipped += 1
-                try:
-                    sess = await trio.to_thread.run_sync(self._build, stage, msg.slot, limiter=self.build)
-                finally:
-                    self._release(msg)  # also when cancelled: the slot always goes back
-                await out_send.send((stage, sess, msg.nbytes))
+                self.holding[msg.slot] = msg
+                sess = await trio.to_thread.run_sync(self._build, stage, msg.slot, limiter=self.build)
+                await out_send.send((stage, sess, msg))
+
+    def _release_held(self, slot: int) -> None:
+        self._release(self.holding.pop(slot))
 
     def _release(self, msg) -> None:
         self.released_send.send_nowait(LayerReleased(session_id=0, step=msg.step, epoch=0, layer=msg.layer, slot=msg.slot))
@@ -139,32 +145,15 @@ class NpuVerifier:
         slots_list = [slots[lo:hi] for lo, hi in self._chunks]
         feeds_list = [self.m.feeds(positions[lo:hi], s, lay) for (lo, hi), s, lay in zip(self._chunks, slots_list, layouts)]
         x = self.m.embedding.lookup(tokens)
-        compute_s = wait_s = 0.0
-        bytes_read = 0
+        acc = {"compute_s": 0.0, "wait_s": 0.0, "bytes_read": 0}
         head_parts: list[np.ndarray] = []
         built_send, built_recv = trio.open_memory_channel(self.lookahead)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._builder, built_send)
-            async with built_recv:
-                for stage in range(self.stage_count):
-                    if stage in self.pinned:
-                        sess = self.pinned[stage]
-                    else:
-                        t0 = time.perf_counter()
-                        got, sess, nbytes = await built_recv.receive()
-                        wait_s += time.perf_counter() - t0
-                        bytes_read += nbytes
-                        if got != stage:
-                            raise RuntimeError(f"built stage {got} out of order (expected {stage})")
-                    t0 = time.perf_counter()
-                    y = await trio.to_thread.run_sync(self._run_stage, stage, sess, x, feeds_list, slots_list, rows,
-                                                      limiter=self.npu)
-                    if stage < self.m.n_layer:
-                        x = y
-                    else:
-                        head_parts.append(y)
-                    compute_s += time.perf_counter() - t0
-                    del sess
+        try:
+            await self._stages(built_send, built_recv, x, feeds_list, slots_list, rows, head_parts, acc)
+        finally:
+            for slot in list(self.holding):  # cancelled mid-pass: every lent slot goes back
+                self._release_held(slot)
+        compute_s, wait_s, bytes_read = acc["compute_s"], acc["wait_s"], acc["bytes_read"]
         logits = np.concatenate(head_parts, axis=-1)  # [rows, V]
         if plan.prefill:
             kv.commit(slots)
@@ -178,4 +167,33 @@ class NpuVerifier:
             argmax=np.argmax(logits, axis=-1).astype(np.int32),
             logits=logits.astype(np.float32) if plan.want_logits else None,
             draft_dists=plan.draft_dists, bytes_read=bytes_read, prefill=plan.prefill,
+            temperature=plan.temperature, top_p=plan.top_p, seed=plan.seed,
         )
+
+    async def _stages(self, built_send, built_recv, x, feeds_list, slots_list, rows, head_parts, acc) -> None:
+        """Run every stage in order: pinned ones directly, streamed ones as their sessions arrive."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._builder, built_send)
+            async with built_recv:
+                for stage in range(self.stage_count):
+                    msg = None
+                    if stage in self.pinned:
+                        sess = self.pinned[stage]
+                    else:
+                        t0 = time.perf_counter()
+                        got, sess, msg = await built_recv.receive()
+                        acc["wait_s"] += time.perf_counter() - t0
+                        acc["bytes_read"] += msg.nbytes
+                        if got != stage:
+                            raise RuntimeError(f"built stage {got} out of order (expected {stage})")
+                    t0 = time.perf_counter()
+                    y = await trio.to_thread.run_sync(self._run_stage, stage, sess, x, feeds_list, slots_list, rows,
+                                                      limiter=self.npu)
+                    del sess
+                    if msg is not None:
+                        self._release_held(msg.slot)
+                    if stage < self.m.n_layer:
+                        x = y
+                    else:
+                        head_parts.append(y)
+                    acc["compute_s"] += time.perf_counter() - t0
