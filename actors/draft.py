@@ -24,10 +24,10 @@ class Drafter:
     scratch area, which the next request's prefix matching discards.
     """
 
-    def __init__(self, model, requests_recv, out_send, cpu_limiter, tracer) -> None:
+    def __init__(self, model, requests_recv, out_send, lanes, tracer) -> None:
         self.m = model
         self.requests_recv, self.out_send = requests_recv, out_send
-        self.cpu, self.tracer = cpu_limiter, tracer
+        self.lanes, self.tracer = lanes, tracer
         self.scratch: list[int] = []  # tokens fed after the committed prefix, in slot order
 
     def reset(self) -> None:
@@ -38,7 +38,7 @@ class Drafter:
         async with self.requests_recv, self.out_send:
             task_status.started()
             async for req in self.requests_recv:
-                await self.out_send.send(await trio.to_thread.run_sync(self.draft, req, limiter=self.cpu))
+                await self.out_send.send(await self.lanes.run("cpu", self.draft, req))
 
     def _feed(self, tokens: list[int]) -> np.ndarray:
         """Append committed tokens to the KV; returns the last hidden row."""

@@ -38,10 +38,10 @@ class FlashPrefetcher:
     """
 
     def __init__(self, stages: list[StreamStage], pool, files: dict, ready_send, released_recv,
-                 limiter: trio.CapacityLimiter, tracer, bandwidth: float | None = None) -> None:
+                 lanes, tracer, bandwidth: float | None = None) -> None:
         self.stages, self.pool, self.files = stages, pool, files
         self.ready_send, self.released_recv = ready_send, released_recv
-        self.limiter, self.tracer, self.bandwidth = limiter, tracer, bandwidth
+        self.lanes, self.tracer, self.bandwidth = lanes, tracer, bandwidth
         self.free = list(range(len(pool)))
         self.lent: set[int] = set()
         self.bytes_read = 0
@@ -84,7 +84,7 @@ class FlashPrefetcher:
                         self._take_back(await self.released_recv.receive())
                     slot = self.free.pop()
                     self.lent.add(slot)
-                    io_s = await trio.to_thread.run_sync(self._read, stage, slot, limiter=self.limiter)
+                    io_s = await self.lanes.run("flash", self._read, stage, slot)
                     self.bytes_read += stage.nbytes
                     self.reads += 1
                     self.direct = self.direct and self.files[stage.file].direct

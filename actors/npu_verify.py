@@ -39,7 +39,7 @@ class NpuVerifier:
     """
 
     def __init__(self, target, streamed: list[int], pinned_sessions: dict, head_sessions, plans_recv, done_send,
-                 ready_recv, released_send, pool, npu_limiter, build_limiter, tracer, lookahead: int = 1) -> None:
+                 ready_recv, released_send, pool, lanes, tracer, lookahead: int = 1) -> None:
         self.m = target  # lever_actors.model.Transformer without resident layers
         self.streamed = streamed
         self.stage_count = target.n_layer + target.n_head_chunks  # layers, then the head's vocabulary slices
@@ -49,7 +49,7 @@ class NpuVerifier:
         self.plans_recv, self.done_send = plans_recv, done_send
         self.ready_recv, self.released_send = ready_recv, released_send
         self.pool = pool
-        self.npu, self.build = npu_limiter, build_limiter
+        self.lanes = lanes
         self.tracer = tracer
         self.lookahead = lookahead
         self.base = 0  # slot of the current pass's root
@@ -93,7 +93,7 @@ class NpuVerifier:
                     self._release(msg)
                     self.skipped += 1
                 self.holding[msg.slot] = msg
-                sess = await trio.to_thread.run_sync(self._build, stage, msg.slot, limiter=self.build)
+                sess = await self.lanes.run("build", self._build, stage, msg.slot)
                 await out_send.send((stage, sess, msg))
 
     def _release_held(self, slot: int) -> None:
@@ -187,8 +187,7 @@ class NpuVerifier:
                         if got != stage:
                             raise RuntimeError(f"built stage {got} out of order (expected {stage})")
                     t0 = time.perf_counter()
-                    y = await trio.to_thread.run_sync(self._run_stage, stage, sess, x, feeds_list, slots_list, rows,
-                                                      limiter=self.npu)
+                    y = await self.lanes.run("npu", self._run_stage, stage, sess, x, feeds_list, slots_list, rows)
                     del sess
                     if msg is not None:
                         self._release_held(msg.slot)

@@ -80,7 +80,9 @@ def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int
     need = sum(items.values()) + MIN_SLOTS * slot
     mib = lambda v: f"{v / 2**20:,.0f} MiB"  # noqa: E731
     detail = ", ".join(f"{k} {mib(v)}" for k, v in items.items())
-    raise BudgetError(
+    err = BudgetError(
         f"a DRAM budget of {mib(budget)} cannot run this model pair: the resident minimum is {mib(need)} "
         f"({detail}, plus {MIN_SLOTS} stream slots of {mib(slot)}); raise --dram-budget to at least {mib(need)}"
     )
+    err.minimum = need
+    raise err

@@ -29,6 +29,7 @@ from lever_actors.budget import BudgetPlan, plan_budget
 from lever_actors.bundle import load_bundle, read_region
 from lever_actors.errors import ModelIncompatible
 from lever_actors.flashio import FlashFile, aligned_buffer
+from lever_actors.lanes import ThreadLanes
 from lever_actors.model import Transformer
 from lever_actors.ortrt import LaneConfig
 from lever_actors.sampling import SamplingParams
@@ -129,7 +130,7 @@ class Pipeline:
         await self.plan_send.send(VerifyPlan(
             session_id=sid, step=0, epoch=0, position=0, tokens=np.asarray(prompt_ids, np.int32),
             parents=np.arange(-1, n - 1, dtype=np.int32), depths=np.arange(n, dtype=np.int32), bucket=n,
-            prefill=True, **sampling))
+            prefill=True, want_logits=not params.greedy, **sampling))
         if self.drafter is not None:
             await self._receive(self.draft_recv, sid)
         commit = await self._receive(self.commit_recv, sid)
@@ -206,9 +207,11 @@ def _draft_weight_bytes(bundle) -> int:
 
 
 @asynccontextmanager
-async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: set[int], tracer: Tracer | None = None):
+async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: set[int], tracer: Tracer | None = None,
+                        lanes=None, channels: dict | None = None):
     """Load models inside the budget, start every actor, yield a :class:`Pipeline`."""
     tracer = tracer or Tracer(enabled=True)
+    caps = dict(CHANNELS, **(channels or {}))
     tb = load_bundle(target_dir)
     db = load_bundle(draft_dir) if draft_dir is not None else None
     if db is not None:
@@ -232,17 +235,16 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
     pool = [aligned_buffer(slot_read) for _ in range(plan.n_slots if stages else 0)]
     files = {name: FlashFile(str(tb.file(name))) for name in {s.file for s in stages}}
     try:
-        ready_send, ready_recv = trio.open_memory_channel(CHANNELS["ready"])
+        ready_send, ready_recv = trio.open_memory_channel(caps["ready"])
         rel_send, rel_recv = trio.open_memory_channel(max(len(pool), 1))
-        plan_send, plan_recv = trio.open_memory_channel(CHANNELS["plans"])
-        done_send, done_recv = trio.open_memory_channel(CHANNELS["done"])
-        commit_send, commit_recv = trio.open_memory_channel(CHANNELS["commits"])
-        stats_send, stats_recv = trio.open_memory_channel(CHANNELS["stats"])
-        limits = {"flash": trio.CapacityLimiter(1), "npu": trio.CapacityLimiter(1), "build": trio.CapacityLimiter(1),
-                  "cpu": trio.CapacityLimiter(1)}
-        prefetcher = FlashPrefetcher(stages, pool, files, ready_send, rel_recv, limits["flash"], tracer, cfg.flash_bandwidth)
+        plan_send, plan_recv = trio.open_memory_channel(caps["plans"])
+        done_send, done_recv = trio.open_memory_channel(caps["done"])
+        commit_send, commit_recv = trio.open_memory_channel(caps["commits"])
+        stats_send, stats_recv = trio.open_memory_channel(caps["stats"])
+        lanes = lanes or ThreadLanes()
+        prefetcher = FlashPrefetcher(stages, pool, files, ready_send, rel_recv, lanes, tracer, cfg.flash_bandwidth)
         verifier = NpuVerifier(target, [s.stage for s in stages], target.resident, target.head_sessions,
-                               plan_recv, done_send, ready_recv, rel_send, pool, limits["npu"], limits["build"], tracer)
+                               plan_recv, done_send, ready_recv, rel_send, pool, lanes, tracer)
         acceptor = Acceptor(done_recv, commit_send, stats_send, tracer)
         drafter = None
         pipe = Pipeline(cfg, plan, target, None, eos_ids, tracer, prefetcher, verifier)
@@ -251,9 +253,9 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
             await nursery.start(verifier.run)
             await nursery.start(acceptor.run)
             if drafter_model is not None:
-                dreq_send, dreq_recv = trio.open_memory_channel(CHANNELS["draft_requests"])
-                dout_send, dout_recv = trio.open_memory_channel(CHANNELS["drafts"])
-                drafter = Drafter(drafter_model, dreq_recv, dout_send, limits["cpu"], tracer)
+                dreq_send, dreq_recv = trio.open_memory_channel(caps["draft_requests"])
+                dout_send, dout_recv = trio.open_memory_channel(caps["drafts"])
+                drafter = Drafter(drafter_model, dreq_recv, dout_send, lanes, tracer)
                 await nursery.start(drafter.run)
                 pipe.drafter, pipe.draft_send, pipe.draft_recv = drafter, dreq_send, dout_recv
             pipe.plan_send, pipe.commit_recv, pipe.stats_recv = plan_send, commit_recv, stats_recv

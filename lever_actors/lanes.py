@@ -1,0 +1,39 @@
+"""Lanes: where blocking work runs. One lane = one limiter = one kind of hardware.
+
+``flash`` reads, ``build`` turns a streamed buffer into a session, ``npu`` runs
+target layers, ``cpu`` drafts. Each lane is serial (or ``width``-wide), and lanes
+run in parallel with each other because ORT and ``preadv`` release the GIL.
+Tests swap in :class:`VirtualLanes`, which charge a modelled duration on trio's
+clock instead of using threads, so overlap can be checked exactly under MockClock.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import trio
+
+
+class ThreadLanes:
+    def __init__(self, widths: dict[str, int] | None = None) -> None:
+        widths = {"flash": 1, "build": 1, "npu": 1, "cpu": 1, **(widths or {})}
+        self.limiters = {name: trio.CapacityLimiter(w) for name, w in widths.items()}
+
+    async def run(self, lane: str, fn: Callable, *args, cost=None):
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiters[lane])
+
+
+class VirtualLanes:
+    """Runs ``fn`` inline and then sleeps ``cost(lane, *args)`` virtual seconds holding the lane."""
+
+    def __init__(self, cost: Callable[..., float]) -> None:
+        self.cost = cost
+        self.limiters = {name: trio.CapacityLimiter(1) for name in ("flash", "build", "npu", "cpu")}
+        self.busy: dict[str, float] = {}
+
+    async def run(self, lane: str, fn: Callable, *args, cost=None):
+        async with self.limiters[lane]:
+            out = fn(*args)
+            seconds = self.cost(lane, fn, *args)
+            self.busy[lane] = self.busy.get(lane, 0.0) + seconds
+            await trio.sleep(seconds)
+            return out

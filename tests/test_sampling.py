@@ -1,0 +1,85 @@
+"""Acceptance rules: greedy walks the tree; sampled acceptance reproduces the target distribution."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lever_actors.sampling import SamplingParams, accept_greedy, accept_sampled, probs_from_logits
+
+
+@st.composite
+def trees(draw, vocab=6, max_nodes=12):
+    n = draw(st.integers(1, max_nodes))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = [draw(st.integers(0, vocab - 1)) for _ in range(n)]
+    argmax = [draw(st.integers(0, vocab - 1)) for _ in range(n)]
+    return np.array(parents), np.array(tokens), np.array(argmax)
+
+
+@given(trees())
+def test_greedy_accepts_exactly_the_path_the_target_would_decode(tree):
+    parents, tokens, argmax = tree
+    path, committed = accept_greedy(parents, tokens, argmax)
+    assert path[0] == 0 and len(committed) == len(path) >= 1
+    for a, b in zip(path, path[1:]):  # a parent-child chain whose tokens are the target's choices
+        assert parents[b] == a and tokens[b] == argmax[a]
+    last = path[-1]
+    assert committed[-1] == argmax[last]
+    assert not any(parents[c] == last and tokens[c] == argmax[last] for c in range(len(parents)))
+
+
+def _tv(samples: list[int], q: np.ndarray) -> float:
+    hist = np.bincount(samples, minlength=len(q)) / len(samples)
+    return 0.5 * float(np.abs(hist - q).sum())
+
+
+def test_sampled_chain_reproduces_the_target_distribution():
+    rng = np.random.default_rng(0)
+    vocab = 5
+    p = rng.dirichlet(np.ones(vocab))  # draft
+    q = rng.dirichlet(np.ones(vocab))  # target
+    firsts = []
+    for step in range(20000):
+        x = int(np.random.default_rng([1, step]).choice(vocab, p=p))  # the draft proposes from p
+        parents, tokens = np.array([-1, 0]), np.array([0, x])
+        _, committed = accept_sampled(parents, tokens, [p, None], [q, q], seed=3, step=step)
+        firsts.append(committed[0])
+    assert _tv(firsts, q) < 0.015
+
+
+def test_sampled_tree_siblings_reproduce_the_target_distribution():
+    rng = np.random.default_rng(1)
+    vocab = 5
+    p = rng.dirichlet(np.ones(vocab))
+    q = rng.dirichlet(np.ones(vocab))
+    firsts = []
+    for step in range(20000):
+        r = np.random.default_rng([2, step])
+        a = int(r.choice(vocab, p=p))  # two siblings drawn without replacement from p
+        p2 = p.copy()
+        p2[a] = 0
+        b = int(r.choice(vocab, p=p2 / p2.sum()))
+        parents, tokens = np.array([-1, 0, 0]), np.array([0, a, b])
+        _, committed = accept_sampled(parents, tokens, [p, None, None], [q, q, q], seed=4, step=step)
+        firsts.append(committed[0])
+    assert _tv(firsts, q) < 0.015
+
+
+def test_a_broken_acceptance_rule_is_caught():
+    """Mutation check of the statistical test: always accepting the draft gives p, not q."""
+    rng = np.random.default_rng(0)
+    p, q = rng.dirichlet(np.ones(5)), rng.dirichlet(np.ones(5))
+    firsts = [int(np.random.default_rng([1, s]).choice(5, p=p)) for s in range(20000)]
+    assert _tv(firsts, q) > 0.05
+
+
+@settings(max_examples=50)
+@given(st.lists(st.floats(-20, 20), min_size=2, max_size=30), st.floats(0.05, 2.0), st.floats(0.05, 1.0))
+def test_top_p_keeps_a_nucleus_that_reaches_p(logits, temperature, top_p):
+    probs = probs_from_logits(np.array(logits), SamplingParams(temperature, top_p))
+    assert abs(probs.sum() - 1) < 1e-9
+    full = probs_from_logits(np.array(logits), SamplingParams(temperature, 1.0))
+    kept = probs > 0
+    assert full[kept].sum() >= top_p - 1e-9 or kept.all()
+    assert full[kept].min() >= full[~kept].max(initial=0) - 1e-12
