@@ -8,6 +8,10 @@ import trio
 
 from protocols import LayerReleased, VerifyDone, VerifyPlan
 
+
+class PassAborted(Exception):
+    """The session of the pass in progress was aborted; its result would be discarded."""
+
 PREFILL_CHUNK = 64  # rows per layer call while prefilling (bounds activation memory)
 
 
@@ -39,7 +43,7 @@ class NpuVerifier:
     """
 
     def __init__(self, target, streamed: list[int], pinned_sessions: dict, head_sessions, plans_recv, done_send,
-                 ready_recv, released_send, pool, lanes, tracer, lookahead: int = 1) -> None:
+                 ready_recv, released_send, pool, lanes, tracer, abort_recv, lookahead: int = 1) -> None:
         self.m = target  # lever_actors.model.Transformer without resident layers
         self.streamed = streamed
         self.stage_count = target.n_layer + target.n_head_chunks  # layers, then the head's vocabulary slices
@@ -57,12 +61,30 @@ class NpuVerifier:
         self.received = 0
         self.skipped = 0
         self.holding: dict[int, object] = {}  # slot -> LayerReady lent to the current pass
+        self.abort_recv = abort_recv
+        self.aborted_sessions: set[int] = set()
+        self.aborted = 0
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with self.plans_recv, self.done_send, self.ready_recv, self.released_send:
             task_status.started()
             async for plan in self.plans_recv:
-                await self.done_send.send(await self.verify(plan))
+                try:
+                    done = await self.verify(plan)
+                except PassAborted:
+                    self.aborted += 1
+                    continue
+                await self.done_send.send(done)
+
+    def _is_aborted(self, session_id: int) -> bool:
+        """Between layers: has the pass's session been aborted?"""
+        while True:
+            try:
+                msg = self.abort_recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            self.aborted_sessions.add(msg.session_id)
+        return session_id in self.aborted_sessions
 
     def _build(self, stage: int, slot: int):
         t0 = time.perf_counter()
@@ -149,7 +171,8 @@ class NpuVerifier:
         head_parts: list[np.ndarray] = []
         built_send, built_recv = trio.open_memory_channel(self.lookahead)
         try:
-            await self._stages(built_send, built_recv, x, feeds_list, slots_list, rows, head_parts, acc)
+            await self._stages(built_send, built_recv, x, feeds_list, slots_list, rows, head_parts, acc,
+                               plan.session_id)
         finally:
             for slot in list(self.holding):  # cancelled mid-pass: every lent slot goes back
                 self._release_held(slot)
@@ -170,12 +193,18 @@ class NpuVerifier:
             temperature=plan.temperature, top_p=plan.top_p, seed=plan.seed,
         )
 
-    async def _stages(self, built_send, built_recv, x, feeds_list, slots_list, rows, head_parts, acc) -> None:
+    async def _stages(self, built_send, built_recv, x, feeds_list, slots_list, rows, head_parts, acc,
+                      session_id: int) -> None:
         """Run every stage in order: pinned ones directly, streamed ones as their sessions arrive."""
+        aborted = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._builder, built_send)
             async with built_recv:
                 for stage in range(self.stage_count):
+                    if self._is_aborted(session_id):
+                        aborted = True
+                        nursery.cancel_scope.cancel()  # the builder stops too; held slots go back
+                        break
                     msg = None
                     if stage in self.pinned:
                         sess = self.pinned[stage]
@@ -196,3 +225,5 @@ class NpuVerifier:
                     else:
                         head_parts.append(y)
                     acc["compute_s"] += time.perf_counter() - t0
+        if aborted:
+            raise PassAborted(session_id)

@@ -14,6 +14,9 @@ Contract, in short:
 * ``generate(params, emit)`` runs one generation. It awaits ``emit(text,
   token_ids)`` for each new chunk, in order; the concatenated ``text`` of all
   chunks must equal the outcome's ``text``, and likewise for ``token_ids``.
+  ``text`` must be valid Unicode: hold back the bytes of a character split
+  across tokens until it is complete, so a chunk may carry ids and no text,
+  or (a final flush) text and no ids.
   It must be cancellation-safe: the daemon cancels it with a trio cancel scope
   when the client cancels or disconnects, and every buffer it took must be
   returned in ``finally`` blocks. ``emit`` may raise ``trio.Cancelled``.
@@ -21,6 +24,10 @@ Contract, in short:
   ``internal`` error (``ContextOverflow`` as ``context_overflow``) and the
   daemon keeps serving.
 * ``pool_stats()`` reports buffer accounting so tests can prove nothing leaks.
+* Optional: ``async run(*, task_status)``. If the backend has it, the daemon
+  starts it with ``nursery.start`` before it listens (and before calling
+  ``describe``), and cancels it at shutdown: the place for tasks that live as
+  long as the daemon, such as a pipeline of actors.
 """
 from __future__ import annotations
 

@@ -34,6 +34,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="execution providers of the verification lane, in order: cpu, qnn, nnapi, xnnpack (default cpu)")
 
 
+def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> None:
+    g = p.add_argument_group("runtime")
+    g.add_argument("--mode", default=default_mode, metavar="MODE",
+                   help="resident-ar | flash-ar | flash-chain[:GAMMA] (default resident-ar; with --socket, "
+                        "the daemon's mode)")
+    g.add_argument("--dram-budget", default="unlimited", metavar="SIZE",
+                   help="DRAM budget such as 1GiB or 800MB, or 'unlimited' (default); what does not fit streams "
+                        "from flash")
+    g.add_argument("--gamma", type=int, default=None, help="draft chain length of flash-chain (default 8)")
+    g.add_argument("--flash-bandwidth", default=None, metavar="RATE",
+                   help="cap flash reads to emulate a slower device, e.g. 800MB (bytes per second)")
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128)")
@@ -69,13 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the instruct chat template to the prompt")
     g.add_argument("--model", choices=("target", "draft"), default="target",
                    help="which model decodes in resident-ar mode (default target)")
-    g.add_argument("--mode", default="resident-ar", metavar="MODE",
-                   help="resident-ar | flash-ar | flash-chain[:GAMMA] (default resident-ar)")
-    g.add_argument("--dram-budget", default="unlimited", metavar="SIZE",
-                   help="DRAM budget such as 1GiB or 800MB, or 'unlimited' (default)")
-    g.add_argument("--gamma", type=int, default=None, help="draft chain length of flash-chain (default 8)")
-    g.add_argument("--flash-bandwidth", default=None, metavar="RATE",
-                   help="cap flash reads to emulate a slower device, e.g. 800MB (per second)")
+    g.add_argument("--humaneval", type=int, default=None, metavar="N",
+                   help="use HumanEval problem N (0-163) as the prompt")
+    _add_runtime_args(g, default_mode=None)
     g.add_argument("--trace", metavar="FILE", help="write a Chrome trace-event JSON of every actor's spans")
     g.add_argument("--socket", metavar="PATH", help="use a running daemon at PATH ('auto' = the default socket)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -101,11 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_arguments(s)
     except ImportError:  # daemon not built into this checkout
         pass
+    _add_runtime_args(s, default_mode="flash-chain:8")
+    s.set_defaults(dram_budget="1GiB")
     _add_model_args(s)
     return ap
 
 
 def read_prompt(args) -> str:
+    if getattr(args, "humaneval", None) is not None:
+        from lever_actors.bench import humaneval_prompts
+
+        return humaneval_prompts(f"{args.humaneval}:{args.humaneval + 1}")[0][1]
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
             return f.read()
@@ -149,6 +164,8 @@ def cmd_generate(args) -> int:
     if args.socket:
         from lever_actors.client import generate_via_socket
 
+        if args.humaneval is not None:
+            args.prompt, args.prompt_file = read_prompt(args), None
         return generate_via_socket(args)
     from lever_actors.engine import EngineConfig, generate_once
 

@@ -35,6 +35,7 @@ SOCKET_NAME = "lever.sock"
 STATUS_FIELDS = {"pid": int, "socket": str, "protocol": list, "version": str, "started_at": str}
 _STREAM_BUFFER = 256          # token chunks buffered per stream before the reader waits
 _MAX_RECEIVE_BYTES = 64 << 20
+_CLOSE_TIMEOUT_S = 5.0
 
 
 class DaemonNotRunning(LeverError):
@@ -379,7 +380,9 @@ class Client:
         try:
             yield s
         finally:
-            with trio.CancelScope(shield=True):
+            # Shielded so that leaving by cancellation still cancels on the daemon;
+            # bounded so that a daemon that stopped reading cannot hold us here.
+            with trio.CancelScope(deadline=trio.current_time() + _CLOSE_TIMEOUT_S, shield=True):
                 await s.aclose()
 
     async def generate(self, prompt: str | None = None, *,
@@ -442,9 +445,10 @@ class Client:
                 pending.error, pending.result = error, parsed.result
                 pending.event.set()
         elif isinstance(parsed, rpc.Notification) and parsed.method == rpc.TOKEN_NOTIFICATION:
+            if len(parsed.params) != 3 or parsed.params[0] not in self._streams:
+                return
             request_id, text, token_ids = parsed.params
-            if request_id in self._streams:
-                await self._streams[request_id]._deliver(Chunk(text, list(token_ids)))
+            await self._streams[request_id]._deliver(Chunk(text, list(token_ids)))
 
 
 def _only_exception(group: BaseExceptionGroup) -> BaseException:
@@ -583,11 +587,25 @@ class SyncClient:
 
 def _params_from_args(args: Any) -> dict:
     prompt = getattr(args, "prompt", None)
-    if prompt == "-":
+    prompt_file = getattr(args, "prompt_file", None)
+    if prompt_file:
+        with open(prompt_file, encoding="utf-8") as f:
+            prompt = f.read()
+    elif prompt == "-":
         prompt = sys.stdin.read()
+    messages = getattr(args, "messages", None)
+    if getattr(args, "chat", False) and prompt is not None:
+        prompt, messages = None, [{"role": "user", "content": prompt}]
+    if prompt is None and messages is None:
+        raise LeverError("no prompt: give PROMPT, '-' for standard input, or --prompt-file FILE")
     options = {name: getattr(args, name, None)
                for name in ("max_tokens", "temperature", "top_p", "seed", "stop", "mode")}
-    return _generate_params(prompt, getattr(args, "messages", None), **options)
+    return _generate_params(prompt, messages, **options)
+
+
+def _socket_from_args(args: Any) -> Path | None:
+    socket = getattr(args, "socket", None)
+    return None if socket in (None, "auto") else Path(socket)
 
 
 async def _generate_cli(socket_path: Any, params: dict, as_json: bool) -> GenerateResult:
@@ -611,25 +629,27 @@ async def _generate_cli(socket_path: Any, params: dict, as_json: bool) -> Genera
 def generate_via_socket(args: Any) -> int:
     """Run ``lever-actors generate`` against a running daemon; return the exit status.
 
-    Reads ``args.socket`` (None: default path), ``args.prompt`` ("-": stdin),
-    optional ``args.messages`` (list of {role, content}), ``args.max_tokens``,
-    ``args.temperature``, ``args.top_p``, ``args.seed``, ``args.stop`` (list of
-    str), ``args.mode`` (each None or missing: the daemon's default) and
-    ``args.json``. Prints text as it streams, or with ``--json`` one object at
-    the end: text, token_ids, finish_reason, prompt_tokens, stats, timings,
-    request_id. Exit status: 0 done, 1 daemon missing or request refused, 130
-    interrupted.
+    Reads (each optional): ``args.socket`` (None or "auto": the default path),
+    ``args.prompt`` ("-": stdin), ``args.prompt_file``, ``args.chat`` (send
+    the prompt as one user message), ``args.messages`` (list of {role,
+    content}), ``args.max_tokens``, ``args.temperature``, ``args.top_p``,
+    ``args.seed``, ``args.stop`` (list of str), ``args.mode`` (None: the
+    daemon's default) and ``args.json``. Prints text as it streams, or with
+    ``--json`` one object at the end: text, token_ids, finish_reason,
+    prompt_tokens, stats, timings, request_id (the protocol does not return
+    prompt token ids). Exit status: 0 done, 1 no daemon, bad input or request
+    refused, 130 interrupted.
     """
     as_json = bool(getattr(args, "json", False))
     try:
         params = _params_from_args(args)
-        result = trio.run(_generate_cli, getattr(args, "socket", None), params, as_json)
-    except DaemonNotRunning as exc:
-        print(f"lever-actors: {exc}", file=sys.stderr)
-        return 1
+        result = trio.run(_generate_cli, _socket_from_args(args), params, as_json)
     except RemoteError as exc:
         print(f"lever-actors: the daemon refused the request: [{exc.code}] {exc.message}",
               file=sys.stderr)
+        return 1
+    except (LeverError, OSError) as exc:  # DaemonNotRunning says why, e.g. "daemon has died"
+        print(f"lever-actors: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("", file=sys.stderr)

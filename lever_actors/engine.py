@@ -66,7 +66,7 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
-        mode_text = getattr(args, "mode", "resident-ar")
+        mode_text = getattr(args, "mode", None) or "resident-ar"
         mode, gamma = parse_mode(mode_text, getattr(args, "gamma", None))
         if args.context < 16:
             raise ConfigError(f"--context must be at least 16, got {args.context}")

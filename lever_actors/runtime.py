@@ -34,7 +34,7 @@ from lever_actors.model import Transformer
 from lever_actors.ortrt import LaneConfig
 from lever_actors.sampling import SamplingParams
 from lever_actors.trace import Tracer
-from protocols import DraftRequest, VerifyPlan
+from protocols import Abort, DraftRequest, VerifyPlan
 
 # Channel capacities, one table (STYLE 8.7). One pass is in flight at a time, so
 # every link carries at most one message per pass; 1 is enough and keeps
@@ -104,6 +104,20 @@ class Pipeline:
                 "direct_io": self.prefetcher.direct}
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, emit) -> tuple[list[int], str, dict]:
+        sid = self.session_id + 1
+        finished = False
+        try:
+            out = await self._generate(prompt_ids, max_tokens, params, emit)
+            finished = True
+            return out
+        finally:
+            if not finished:  # cancelled or failed: stop the verifier at its next layer
+                try:
+                    self.abort_send.send_nowait(Abort(session_id=sid, step=0, epoch=0))
+                except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                    pass
+
+    async def _generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, emit) -> tuple[list[int], str, dict]:
         """Generate up to ``max_tokens`` after ``prompt_ids``; ``await emit(token_ids)`` per commit
         (a truthy return value stops the generation).
 
@@ -238,13 +252,15 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         ready_send, ready_recv = trio.open_memory_channel(caps["ready"])
         rel_send, rel_recv = trio.open_memory_channel(max(len(pool), 1))
         plan_send, plan_recv = trio.open_memory_channel(caps["plans"])
+        # aborts must never block the driver that is being cancelled: sized for many, sent nowait
+        abort_send, abort_recv = trio.open_memory_channel(64)
         done_send, done_recv = trio.open_memory_channel(caps["done"])
         commit_send, commit_recv = trio.open_memory_channel(caps["commits"])
         stats_send, stats_recv = trio.open_memory_channel(caps["stats"])
         lanes = lanes or ThreadLanes()
         prefetcher = FlashPrefetcher(stages, pool, files, ready_send, rel_recv, lanes, tracer, cfg.flash_bandwidth)
         verifier = NpuVerifier(target, [s.stage for s in stages], target.resident, target.head_sessions,
-                               plan_recv, done_send, ready_recv, rel_send, pool, lanes, tracer)
+                               plan_recv, done_send, ready_recv, rel_send, pool, lanes, tracer, abort_recv)
         acceptor = Acceptor(done_recv, commit_send, stats_send, tracer)
         drafter = None
         pipe = Pipeline(cfg, plan, target, None, eos_ids, tracer, prefetcher, verifier)
@@ -259,6 +275,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
                 await nursery.start(drafter.run)
                 pipe.drafter, pipe.draft_send, pipe.draft_recv = drafter, dreq_send, dout_recv
             pipe.plan_send, pipe.commit_recv, pipe.stats_recv = plan_send, commit_recv, stats_recv
+            pipe.abort_send = abort_send
             try:
                 yield pipe
             finally:

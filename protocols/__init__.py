@@ -23,6 +23,7 @@ from protocols.base import (
 )
 from protocols.ndarray import NDARRAY_EXT, WIRE_DTYPES, pack_ndarray, unpack_ndarray
 from protocols.pipeline import (
+    Abort,
     Commit,
     DraftExpansion,
     DraftRequest,
@@ -38,6 +39,7 @@ from protocols.pipeline import (
 )
 
 __all__ = [
+    "Abort",
     "MAX_MESSAGE_BYTES",
     "NDARRAY_EXT",
     "PROTOCOL_VERSION",

@@ -344,3 +344,12 @@ class PassStats(PipelineMessage):
         if self.n_accepted > self.n_nodes or self.n_pruned > self.n_nodes:
             raise ValueError("PassStats: accepted and pruned counts cannot exceed n_nodes")
         _seconds(self, "io_s", "compute_s", "draft_s", "pass_s")
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort(PipelineMessage):
+    """Driver -> NpuVerifier: the client of ``session_id`` is gone; stop its pass at the next layer."""
+    KIND: ClassVar[str] = "session.abort"
+    VERSION: ClassVar[int] = 1
+    reason: str = "cancelled"

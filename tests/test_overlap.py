@@ -76,3 +76,34 @@ def test_drafting_overlaps_the_read_ahead_of_the_next_pass(tiny_bundles):
     busy, elapsed = r["busy"], r["elapsed"]
     # the ring keeps reading while the drafter works, so total time is less than drafting + reading
     assert elapsed < busy["cpu"] + busy["flash"] + busy["npu"]
+
+
+def test_cancelled_generation_stops_within_one_layer(tiny_bundles):
+    from dataclasses import replace
+
+    target = tiny_bundles[0]
+    ids = TextTokenizer.from_file(target / "tokenizer.json").encode("def f(x):")
+    cfg = EngineConfig(mode="flash-ar", context=128, dram_budget=1)
+    cfg = replace(cfg, dram_budget=minimum_budget(cfg, target, None))
+    calls = []
+    lanes = VirtualLanes(lambda lane, fn, *a: (calls.append((lane, trio.current_time())), COST[lane])[1])
+    seen = {}
+
+    async def main():
+        eos = set(TextTokenizer.from_file(target / "tokenizer.json").eos_ids)
+        async with open_pipeline(cfg, target, None, eos, lanes=lanes) as pipe:
+            async def emit(_):
+                return False
+
+            with trio.move_on_after(0.30):  # virtual: several passes in, mid-pass
+                await pipe.generate(ids, 100, SamplingParams(), emit)
+            cancelled_at = trio.current_time()
+            await trio.sleep(1.0)  # let the verifier notice
+            seen["npu_after"] = [t for lane, t in calls if lane == "npu" and t > cancelled_at]
+            seen["aborted"] = pipe.verifier.aborted
+            seen["holding"] = dict(pipe.verifier.holding)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert seen["aborted"] == 1
+    assert len(seen["npu_after"]) <= 1  # at most the layer that was already running
+    assert seen["holding"] == {}

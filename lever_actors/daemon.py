@@ -1,0 +1,845 @@
+"""The lever-actors daemon: msgpack-RPC on a Unix socket in front of one Backend.
+
+Layers, bottom up: socket files (lock, socket, status file) and the listener;
+:class:`Connection` (a reader that decodes and dispatches, a writer that
+drains one bounded outbound channel); :class:`Engine` (a bounded FIFO of
+generations run one at a time on the backend); :func:`serve` wires them;
+:func:`serve_main` adds the process boundary (arguments, model loading,
+signals). The protocol itself is documented in ``protocols/rpc.py`` only.
+
+Concurrency rules: a connection's reader never waits for the engine or another
+connection. It admits generations with a non-blocking ``submit`` (``busy``
+when the queue is full) and awaits only its own connection's outbound channel,
+so a client that stops reading only stalls itself, and is closed after
+``stall_timeout_s``. Cancellation of one request is its job's cancel scope;
+a disconnect cancels every job of that connection.
+
+Run standalone (tests use this): ``python -m lever_actors.daemon --socket PATH
+--backend MODULE:FACTORY``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import fcntl
+import importlib
+import json
+import logging
+import os
+import signal
+import socket as stdlib_socket
+import stat
+import sys
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import msgpack
+import trio
+
+from lever_actors import __version__
+from lever_actors.backend import Backend, GenerateParams
+from lever_actors.client import (BadStatusFile, DaemonAlreadyRunning, DaemonNotRunning,
+                                  default_socket_dir, default_socket_path, read_status,
+                                  status_path_for)
+from lever_actors.errors import ConfigError, ContextOverflow, LeverError
+from protocols import rpc
+from protocols.rpc import ErrorCode, RpcError
+
+log = logging.getLogger(__name__)
+
+_OUTBOUND_DEPTH = 64        # packed messages waiting for one connection's writer
+_RECEIVE_CHUNK = 65536
+_FINISHED_KEPT = 256        # finished requests per connection kept for `stats`
+_MAX_CONTAINER_LEN = 65536  # array/map entries; msgpack preallocates per header
+_SOCKET_PATH_MAX = 107      # sun_path holds 108 bytes including the NUL
+_ADDITIVE_STATS = ("draft_n", "draft_n_accepted", "passes", "flash_bytes_read",
+                   "io_s", "compute_s", "n_tokens")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    socket: Path
+    queue_depth: int = 8
+    max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES
+    max_tokens: int = 4096
+    max_connections: int = 64
+    stall_timeout_s: float = 30.0
+    shutdown_grace_s: float = 2.0
+
+
+def _plain(obj: Any) -> Any:
+    """msgpack fallback for numpy scalars and arrays a backend may put in stats."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"cannot send {type(obj).__name__} over msgpack")
+
+
+def _pack(message: Any) -> bytes:
+    return msgpack.packb(message, use_bin_type=True, default=_plain)
+
+
+# --- socket files -------------------------------------------------------------------
+
+class SocketFiles:
+    """The lock file, socket and status file of one daemon.
+
+    ``<name>.lock`` is held with ``flock`` for the daemon's life, so a second
+    daemon on the same socket is refused and a socket left by a dead one can be
+    removed without racing a live one.
+    """
+
+    def __init__(self, socket_path: Path):
+        self.socket = Path(socket_path)
+        if self.socket.suffix in (".json", ".lock"):
+            raise ConfigError(f"socket path {self.socket} must not end in .json or .lock")
+        if len(os.fsencode(self.socket)) > _SOCKET_PATH_MAX:
+            raise ConfigError(f"socket path {self.socket} is too long for a Unix socket "
+                              f"({len(os.fsencode(self.socket))} bytes, at most {_SOCKET_PATH_MAX})")
+        self.status = status_path_for(self.socket)
+        self.lock_path = self.socket.with_suffix(".lock")
+        self._lock_fd: int | None = None
+        self._created: list[Path] = []   # what release() removes: only files we made
+
+    def _prepare_dir(self) -> None:
+        directory = self.socket.parent
+        if directory == default_socket_dir():
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = directory.stat()
+            if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise ConfigError(f"{directory} must be owned by you and private (mode 0700); "
+                                  f"it is mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid}")
+        elif not directory.is_dir():
+            directory.mkdir(mode=0o700, parents=True)
+
+    def _holder(self) -> str:
+        try:
+            status = read_status(self.status)
+            return f"pid {status['pid']}, started {status['started_at']}"
+        except (DaemonNotRunning, BadStatusFile):
+            pass
+        try:
+            return f"pid {int(self.lock_path.read_text().strip())}"
+        except (OSError, ValueError):
+            return "pid unknown"
+
+    def acquire(self) -> None:
+        """Take the lock and clear files a dead daemon left behind.
+
+        Raises:
+            DaemonAlreadyRunning: another daemon holds the lock (message names its pid).
+            ConfigError: the directory is not private, or the socket path is not a socket.
+        """
+        self._prepare_dir()
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DaemonAlreadyRunning(
+                f"a daemon is already serving {self.socket} ({self._holder()}); stop it "
+                f"first or choose another --socket") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+        try:
+            self._remove_stale()
+        except BaseException:
+            self.release()
+            raise
+
+    def _remove_stale(self) -> None:
+        if os.path.lexists(self.socket):
+            if not stat.S_ISSOCK(os.lstat(self.socket).st_mode):
+                raise ConfigError(f"{self.socket} exists and is not a socket; not replacing it")
+            log.warning("removing stale socket %s left by a dead daemon (%s)",
+                        self.socket, self._holder())
+            os.unlink(self.socket)
+        if os.path.lexists(self.status):
+            log.warning("removing stale status file %s", self.status)
+            os.unlink(self.status)
+
+    def write_status(self) -> None:
+        """Write the status file atomically (temporary file, then rename)."""
+        body = {"pid": os.getpid(), "socket": os.fspath(self.socket),
+                "protocol": list(rpc.PROTOCOL_VERSION), "version": __version__,
+                "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        tmp = self.status.with_name(f".{self.status.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(body, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.status)
+        self._created.append(self.status)
+
+    def open_listener(self) -> trio.SocketListener:
+        listener = open_unix_listener(self.socket)
+        self._created.append(self.socket)
+        return listener
+
+    def release(self) -> None:
+        """Remove the socket and status file we made, then drop the lock."""
+        if self._lock_fd is None:
+            return
+        for path in self._created:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._created.clear()
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+
+def open_unix_listener(path: Path, backlog: int = 128) -> trio.SocketListener:
+    """Bind a mode-0600 Unix stream socket at ``path`` and listen.
+
+    Binds synchronously: trio's async ``bind`` runs in a worker thread for
+    Unix paths, which MockClock's autojump would race in tests.
+    """
+    sock = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+    try:
+        old_umask = os.umask(0o177)
+        try:
+            sock.bind(os.fspath(path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+
+
+# --- engine: one generation at a time ---------------------------------------------
+
+class Job:
+    """One admitted generate request, from queue to response."""
+
+    def __init__(self, conn: Connection, request_id: int, params: GenerateParams,
+                 prompt_tokens: int):
+        self.conn, self.request_id = conn, request_id
+        self.params, self.prompt_tokens = params, prompt_tokens
+        self.scope = trio.CancelScope()
+        self.state = "queued"          # queued, running, done, cancelled, failed
+        self.abandoned = False         # the connection is gone: send nothing more
+        self.texts: list[str] = []     # chunks the client was sent, in order
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats: dict = {}
+        self.received_at = trio.current_time()
+        self.started_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+
+    def timings(self) -> dict:
+        now = self.finished_at if self.finished_at is not None else trio.current_time()
+        start = self.started_at if self.started_at is not None else now
+        return {"queue_s": start - self.received_at,
+                "first_token_s": (None if self.first_token_at is None
+                                  else self.first_token_at - self.received_at),
+                "generate_s": now - start, "total_s": now - self.received_at}
+
+    def record(self) -> dict:
+        return {"request_id": self.request_id, "state": self.state,
+                "prompt_tokens": self.prompt_tokens, "n_tokens": len(self.token_ids),
+                "max_tokens": self.params.max_tokens, "finish_reason": self.finish_reason,
+                "stats": self.stats, "timings": self.timings()}
+
+    def result(self) -> dict:
+        return {"request_id": self.request_id, "text": "".join(self.texts),
+                "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "prompt_tokens": self.prompt_tokens, "stats": self.stats,
+                "timings": self.timings()}
+
+
+class Engine:
+    """A bounded FIFO of jobs and the one task that runs them on the backend.
+
+    Backpressure: ``submit`` never waits; it refuses when ``queue_depth`` jobs
+    wait. Cancellation: a job's scope cancels only that job; a queued job is
+    withdrawn at once. Delivering a job's chunks and result awaits its
+    connection's outbound channel (the writer's stall timeout bounds that).
+    """
+
+    def __init__(self, daemon: Daemon):
+        self.daemon = daemon
+        self.waiting: deque[Job] = deque()
+        self.running: Job | None = None
+        self._lot = trio.lowlevel.ParkingLot()
+
+    def submit(self, job: Job) -> bool:
+        """Admit ``job`` unless ``queue_depth`` jobs already wait behind the running one."""
+        admitted = len(self.waiting) + (self.running is not None)
+        if admitted > self.daemon.config.queue_depth:
+            return False
+        self.waiting.append(job)
+        self._lot.unpark()
+        return True
+
+    def withdraw(self, job: Job) -> bool:
+        try:
+            self.waiting.remove(job)
+        except ValueError:
+            return False
+        return True
+
+    async def run(self) -> None:
+        while True:
+            while not self.waiting:
+                await self._lot.park()
+            await self._run_one(self.waiting.popleft())
+
+    async def _emit(self, job: Job, text: str, token_ids: list[int]) -> None:
+        ids = [int(t) for t in token_ids]
+        if not text and not ids:
+            return
+        data = _pack(rpc.token_notification(job.request_id, text, ids))
+        try:
+            await job.conn.out_send.send(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            job.scope.cancel()
+            await trio.lowlevel.checkpoint()  # raises Cancelled into the backend
+        # Record only what was sent, so the result equals the streamed chunks.
+        if job.first_token_at is None:
+            job.first_token_at = trio.current_time()
+        job.texts.append(text)
+        job.token_ids.extend(ids)
+        self.daemon.counters["tokens_generated"] += len(ids)
+
+    async def _run_one(self, job: Job) -> None:
+        job.state, job.started_at, self.running = "running", trio.current_time(), job
+        outcome, error = None, None
+        try:
+            with job.scope:
+                outcome = await self.daemon.backend.generate(job.params, partial(self._emit, job))
+        except ContextOverflow as exc:
+            error = rpc.error_response(job.request_id, ErrorCode.CONTEXT_OVERFLOW, str(exc))
+        except ConfigError as exc:  # e.g. a mode parameter the backend does not accept
+            error = rpc.error_response(job.request_id, ErrorCode.INVALID_PARAMS, str(exc))
+        except Exception as exc:  # the session boundary: this request fails, the daemon goes on
+            log.exception("generate failed conn=%d request_id=%d", job.conn.id, job.request_id)
+            error = rpc.error_response(job.request_id, ErrorCode.INTERNAL,
+                                       f"generation failed: {type(exc).__name__}: {exc}")
+        finally:
+            self.running = None
+        if error is not None:
+            job.state = "failed"
+        elif outcome is None:
+            job.state, job.finish_reason = "cancelled", "cancelled"
+        else:
+            job.state, job.finish_reason = "done", outcome.finish_reason
+            job.stats = dict(outcome.stats)
+            if "".join(job.texts) != outcome.text or job.token_ids != list(outcome.token_ids):
+                log.error("backend outcome differs from its emitted chunks request_id=%d", job.request_id)
+        job.finished_at = trio.current_time()
+        self.daemon.record_finished(job)
+        if not job.abandoned:
+            await job.conn.send(error if error is not None
+                                else rpc.result_response(job.request_id, job.result()))
+
+
+# --- connections ------------------------------------------------------------------
+
+class Connection:
+    """One client: a reader that decodes and dispatches, a writer that drains."""
+
+    def __init__(self, daemon: Daemon, stream: trio.SocketStream, conn_id: int):
+        self.daemon, self.stream, self.id = daemon, stream, conn_id
+        self.out_send, self._out_recv = trio.open_memory_channel[bytes](_OUTBOUND_DEPTH)
+        self.jobs: dict[int, Job] = {}
+        self.finished: OrderedDict[int, dict] = OrderedDict()
+        self._read_scope = trio.CancelScope()
+        self._stopping = False
+        self._handlers = {"hello": self._hello, "generate": self._generate,
+                          "cancel": self._cancel, "stats": self._stats,
+                          "health": self._health, "models": self._models}
+
+    def stop(self) -> None:
+        """Daemon shutdown: stop reading; pending requests get ``cancelled``."""
+        self._stopping = True
+        self._read_scope.cancel()
+
+    async def run(self) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._write_loop, nursery.cancel_scope)
+                with self._read_scope:
+                    await self._read_loop()
+                self._abandon_jobs()
+                self.out_send.close()  # the writer sends what is queued, then ends
+        finally:
+            self._abandon_jobs()
+            await trio.aclose_forcefully(self.stream)
+
+    def _abandon_jobs(self) -> None:
+        for job in list(self.jobs.values()):
+            job.abandoned = True
+            if not self.daemon.engine.withdraw(job):
+                job.scope.cancel()
+            if self._stopping:
+                try:
+                    self.out_send.send_nowait(_pack(rpc.error_response(
+                        job.request_id, ErrorCode.CANCELLED, "the daemon is shutting down")))
+                except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            if job.state == "queued":
+                job.state, job.finish_reason = "cancelled", "cancelled"
+                job.finished_at = trio.current_time()
+                self.daemon.record_finished(job)
+
+    async def send(self, message: Any) -> None:
+        """Queue one message for the writer; drop it if the connection is gone."""
+        try:
+            data = _pack(message)
+        except (TypeError, ValueError, OverflowError) as exc:
+            log.exception("cannot pack a reply conn=%d", self.id)
+            msgid = message[1] if message[0] == rpc.RESPONSE else None
+            data = _pack(rpc.error_response(msgid, ErrorCode.INTERNAL, f"unpackable reply: {exc}"))
+        try:
+            await self.out_send.send(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def _write_loop(self, connection_scope: trio.CancelScope) -> None:
+        stall = self.daemon.config.stall_timeout_s
+        try:
+            async with self._out_recv:
+                async for data in self._out_recv:
+                    with trio.move_on_after(stall) as timer:
+                        await self.stream.send_all(data)
+                    if timer.cancelled_caught:
+                        log.warning("conn=%d closed: the client read nothing for %.1f s", self.id, stall)
+                        break
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            log.debug("conn=%d: the client went away", self.id)
+        connection_scope.cancel()
+
+    async def _fatal(self, code: ErrorCode, message: str) -> None:
+        self.daemon.counters["protocol_errors"] += 1
+        log.warning("conn=%d closing: %s: %s", self.id, code, message)
+        await self.send(rpc.error_response(None, code, message))
+
+    async def _read_loop(self) -> None:
+        """Decode messages and dispatch them until EOF or a fatal protocol error.
+
+        Oversize guard: ``fed - start`` is the length of the message being
+        assembled; input is fed only up to the limit, so a longer message is
+        refused before more of it is buffered.
+        """
+        config = self.daemon.config
+        limit = config.max_message_bytes
+        container = min(limit, _MAX_CONTAINER_LEN)
+        unpacker = msgpack.Unpacker(raw=False, use_list=False, strict_map_key=True,
+                                    max_buffer_size=limit, max_array_len=container,
+                                    max_map_len=container)
+        fed = start = 0
+        while True:
+            data = None
+            with trio.move_on_after(config.stall_timeout_s if fed > start else float("inf")):
+                data = await self.stream.receive_some(_RECEIVE_CHUNK)
+            if data is None:
+                return await self._fatal(ErrorCode.INVALID_REQUEST,
+                                         f"incomplete message: {fed - start} bytes, then nothing "
+                                         f"for {config.stall_timeout_s} s")
+            if not data:
+                return
+            view = memoryview(data)
+            while view:
+                room = limit - (fed - start)
+                if room <= 0:
+                    return await self._fatal(ErrorCode.FRAME_TOO_LARGE,
+                                             f"message longer than max_message_bytes ({limit})")
+                piece, view = view[:room], view[room:]
+                try:
+                    unpacker.feed(piece)
+                except msgpack.BufferFull:
+                    return await self._fatal(ErrorCode.FRAME_TOO_LARGE,
+                                             f"message longer than max_message_bytes ({limit})")
+                fed += len(piece)
+                while True:
+                    try:
+                        obj = next(unpacker)
+                    except StopIteration:
+                        break
+                    except (ValueError, msgpack.UnpackException) as exc:
+                        why = f"{type(exc).__name__} {exc}".rstrip()
+                        return await self._fatal(ErrorCode.PARSE_ERROR, f"invalid msgpack: {why}")
+                    start = unpacker.tell()
+                    await self._dispatch(obj)
+
+    async def _dispatch(self, obj: Any) -> None:
+        counters = self.daemon.counters
+        msgid = None
+        try:
+            message = rpc.parse_message(obj)
+            if not isinstance(message, rpc.Request):
+                if isinstance(message, rpc.Response):
+                    counters["protocol_errors"] += 1
+                log.debug("conn=%d ignoring %s", self.id, type(message).__name__)
+                return
+            msgid = message.msgid
+            handler = self._handlers.get(message.method)
+            if handler is None:
+                raise RpcError(ErrorCode.METHOD_NOT_FOUND,
+                               f"unknown method {message.method!r:.80}; methods: "
+                               f"{', '.join(rpc.METHODS)}", msgid)
+            result = await handler(message)
+        except RpcError as exc:
+            key = "rejected_busy" if exc.code == ErrorCode.BUSY else "rejected_invalid"
+            counters[key] += 1
+            await self.send(rpc.error_response(exc.msgid, exc.code, exc.message))
+        except Exception as exc:  # the session boundary: reply, log, keep serving
+            counters["internal_errors"] += 1
+            log.exception("request failed conn=%d", self.id)
+            await self.send(rpc.error_response(msgid, ErrorCode.INTERNAL,
+                                               f"{type(exc).__name__}: {exc}"))
+        else:
+            if result is not None:
+                await self.send(rpc.result_response(message.msgid, result))
+
+    # Handlers return the result, or None when the reply comes later (generate).
+
+    async def _hello(self, request: rpc.Request) -> dict:
+        rpc.check_hello(request)
+        return self.daemon.hello()
+
+    async def _health(self, request: rpc.Request) -> dict:
+        rpc.check_no_params(request)
+        return self.daemon.health()
+
+    async def _models(self, request: rpc.Request) -> dict:
+        rpc.check_no_params(request)
+        return self.daemon.description
+
+    async def _generate(self, request: rpc.Request) -> None:
+        daemon, msgid = self.daemon, request.msgid
+        params = GenerateParams(**rpc.check_generate(
+            request, max_tokens_limit=daemon.config.max_tokens, modes=daemon.modes))
+        if msgid in self.jobs:
+            raise RpcError(ErrorCode.INVALID_REQUEST,
+                           f"msgid {msgid} is already in flight on this connection", msgid)
+        if daemon.stopping:
+            raise RpcError(ErrorCode.CANCELLED, "the daemon is shutting down", msgid)
+        n_prompt = daemon.backend.count_prompt_tokens(params)
+        if n_prompt + params.max_tokens > daemon.context_length:
+            raise RpcError(ErrorCode.CONTEXT_OVERFLOW,
+                           f"the prompt is {n_prompt} tokens and max_tokens is {params.max_tokens}, "
+                           f"together more than context_length {daemon.context_length}", msgid)
+        job = Job(self, msgid, params, n_prompt)
+        if not daemon.engine.submit(job):
+            raise RpcError(ErrorCode.BUSY, f"{daemon.config.queue_depth} requests already wait "
+                           f"in the queue; retry later", msgid)
+        self.jobs[msgid] = job
+        daemon.counters["accepted"] += 1
+        return None
+
+    async def _cancel(self, request: rpc.Request) -> dict:
+        request_id = rpc.check_request_id(request, required=True)
+        job = self.jobs.get(request_id)
+        if job is None:
+            state = self.finished[request_id]["state"] if request_id in self.finished else "unknown"
+            return {"request_id": request_id, "cancelled": False, "state": state}
+        state = job.state
+        if self.daemon.engine.withdraw(job):
+            job.state, job.finish_reason = "cancelled", "cancelled"
+            job.finished_at = trio.current_time()
+            self.daemon.record_finished(job)
+            await self.send(rpc.result_response(request_id, job.result()))
+        else:
+            job.scope.cancel()
+        return {"request_id": request_id, "cancelled": True, "state": state}
+
+    async def _stats(self, request: rpc.Request) -> dict:
+        request_id = rpc.check_request_id(request, required=False)
+        out = {"daemon": self.daemon.stats()}
+        if request_id is not None:
+            if request_id in self.jobs:
+                out["request"] = self.jobs[request_id].record()
+            elif request_id in self.finished:
+                out["request"] = self.finished[request_id]
+            else:
+                raise RpcError(ErrorCode.INVALID_PARAMS,
+                               f"request_id {request_id} is not a generate request of this "
+                               f"connection (in flight or among its last {_FINISHED_KEPT})",
+                               request.msgid)
+        return out
+
+
+# --- the daemon -------------------------------------------------------------------
+
+class Daemon:
+    """Shared state of one serving daemon: config, backend, engine, counters."""
+
+    def __init__(self, config: ServeConfig, backend: Backend):
+        self.config, self.backend = config, backend
+        self.description = dict(backend.describe())
+        self.context_length = int(self.description["context_length"])
+        self.modes = tuple(self.description.get("modes") or ())
+        self.engine = Engine(self)
+        self.connections: set[Connection] = set()
+        self.counters = dict.fromkeys(
+            ("accepted", "completed", "cancelled", "failed", "rejected_busy", "rejected_invalid",
+             "tokens_generated", "protocol_errors", "internal_errors", "connections_total"), 0)
+        self.backend_totals = dict.fromkeys(_ADDITIVE_STATS, 0)
+        self.stopping = False
+        self._started = trio.current_time()
+        self._stop = trio.Event()
+        self._idle = trio.Event()
+        self.accept_scope = trio.CancelScope()
+
+    def shutdown(self) -> None:
+        """Begin a graceful shutdown (what SIGINT/SIGTERM do)."""
+        self.stopping = True
+        self._stop.set()
+
+    def record_finished(self, job: Job) -> None:
+        job.conn.jobs.pop(job.request_id, None)
+        finished = job.conn.finished
+        finished[job.request_id] = job.record()
+        while len(finished) > _FINISHED_KEPT:
+            finished.popitem(last=False)
+        self.counters[{"done": "completed", "cancelled": "cancelled"}.get(job.state, "failed")] += 1
+        for key in _ADDITIVE_STATS:
+            value = job.stats.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.backend_totals[key] += value
+
+    async def accept(self, listener: trio.SocketListener, handler_nursery: trio.Nursery, *,
+                     task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        """Accept connections until ``accept_scope`` is cancelled (closes the listener)."""
+        with self.accept_scope:
+            await trio.serve_listeners(self.handle_connection, [listener],
+                                       handler_nursery=handler_nursery, task_status=task_status)
+
+    async def handle_connection(self, stream: trio.SocketStream) -> None:
+        self.counters["connections_total"] += 1
+        conn = Connection(self, stream, self.counters["connections_total"])
+        if self.stopping or len(self.connections) >= self.config.max_connections:
+            code, why = ((ErrorCode.CANCELLED, "the daemon is shutting down") if self.stopping else
+                         (ErrorCode.BUSY, f"too many connections (max {self.config.max_connections})"))
+            with trio.move_on_after(1):
+                try:
+                    await stream.send_all(_pack(rpc.error_response(None, code, why)))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            await trio.aclose_forcefully(stream)
+            return
+        self.connections.add(conn)
+        log.debug("conn=%d open", conn.id)
+        try:
+            await conn.run()
+        except Exception:  # a bug in this connection's code must not stop the others
+            self.counters["internal_errors"] += 1
+            log.exception("conn=%d crashed", conn.id)
+        finally:
+            self.connections.discard(conn)
+            if self.stopping and not self.connections:
+                self._idle.set()
+            log.debug("conn=%d closed", conn.id)
+
+    def hello(self) -> dict:
+        c = self.config
+        return {"protocol": list(rpc.PROTOCOL_VERSION), "server": "lever-actors",
+                "version": __version__, "pid": os.getpid(), "methods": list(rpc.METHODS),
+                "capabilities": list(rpc.CAPABILITIES),
+                "models": self.description.get("models", {}),
+                "mode": self.description.get("mode"), "modes": list(self.modes),
+                "limits": {"max_message_bytes": c.max_message_bytes, "queue_depth": c.queue_depth,
+                           "max_tokens": c.max_tokens, "context_length": self.context_length,
+                           "max_connections": c.max_connections,
+                           "stall_timeout_s": c.stall_timeout_s}}
+
+    def health(self) -> dict:
+        return {"status": "stopping" if self.stopping else "ok", "pid": os.getpid(),
+                "uptime_s": trio.current_time() - self._started,
+                "queue_length": len(self.engine.waiting),
+                "running": self.engine.running is not None,
+                "connections_open": len(self.connections)}
+
+    def stats(self) -> dict:
+        c, totals = self.counters, dict(self.backend_totals)
+        if totals["n_tokens"]:
+            totals["flash_bytes_per_token"] = totals["flash_bytes_read"] / totals["n_tokens"]
+        if totals["passes"]:
+            totals["mean_accepted"] = totals["draft_n_accepted"] / totals["passes"]
+        return {"uptime_s": trio.current_time() - self._started,
+                "connections_open": len(self.connections),
+                "connections_total": c["connections_total"],
+                "queue_length": len(self.engine.waiting), "queue_depth": self.config.queue_depth,
+                "running": self.engine.running is not None,
+                "requests": {k: c[k] for k in ("accepted", "completed", "cancelled", "failed",
+                                                "rejected_busy", "rejected_invalid")},
+                "tokens_generated": c["tokens_generated"], "protocol_errors": c["protocol_errors"],
+                "internal_errors": c["internal_errors"], "backend": totals,
+                "pool": self.backend.pool_stats()}
+
+
+async def serve(config: ServeConfig, backend: Backend, *, files: SocketFiles | None = None,
+                task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``backend`` on ``config.socket`` until :meth:`Daemon.shutdown`.
+
+    Starts with ``nursery.start(serve, ...)``, which returns the :class:`Daemon`
+    once the listener is up and the status file written. A caller that already
+    holds the lock passes ``files`` and releases them itself afterwards.
+
+    Raises:
+        DaemonAlreadyRunning: another daemon serves this socket.
+        ConfigError: the socket's directory or path is unusable.
+    """
+    own_files = files is None
+    if files is None:
+        files = SocketFiles(config.socket)
+        files.acquire()
+    try:
+        async with trio.open_nursery() as nursery:
+            if callable(getattr(backend, "run", None)):
+                await nursery.start(backend.run)  # the backend's own tasks, for the daemon's life
+            daemon = Daemon(config, backend)
+            listener = files.open_listener()
+            nursery.start_soon(daemon.engine.run)
+            await nursery.start(daemon.accept, listener, nursery)
+            files.write_status()
+            log.info("listening socket=%s pid=%d queue_depth=%d", files.socket, os.getpid(),
+                     config.queue_depth)
+            task_status.started(daemon)
+            await daemon._stop.wait()
+            log.info("shutting down: %d connection(s), %d queued", len(daemon.connections),
+                     len(daemon.engine.waiting))
+            daemon.accept_scope.cancel()
+            for conn in list(daemon.connections):
+                conn.stop()
+            if daemon.connections:
+                with trio.move_on_after(config.shutdown_grace_s):
+                    await daemon._idle.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        if own_files:
+            files.release()
+
+
+# --- the process boundary -------------------------------------------------------
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``serve``'s options to ``parser`` (the CLI's ``serve`` subcommand)."""
+    d = ServeConfig(socket=Path())
+    parser.add_argument("--socket", type=Path, default=None,
+                        help=f"Unix socket path (default: {default_socket_path()})")
+    parser.add_argument("--queue-depth", type=int, default=d.queue_depth,
+                        help="generate requests that may wait behind the running one; "
+                             "more are refused with 'busy' (default: %(default)s)")
+    parser.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
+                        help="largest request message accepted (default: %(default)s)")
+    parser.add_argument("--max-tokens-limit", type=int, default=d.max_tokens,
+                        help="largest max_tokens a request may ask for (default: %(default)s)")
+    parser.add_argument("--max-connections", type=int, default=d.max_connections,
+                        help="connections served at once (default: %(default)s)")
+    parser.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
+                        help="seconds a connection may leave a message half-sent or not read "
+                             "its replies before it is closed (default: %(default)s)")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="daemon log level on stderr (default: %(default)s)")
+    # Hidden: MODULE:FACTORY building the backend instead of make_backend (tests).
+    parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """Build and check a :class:`ServeConfig`.
+
+    Raises:
+        ConfigError: a value is out of range (the message names the option).
+    """
+    checks = (("--queue-depth", args.queue_depth, 0), ("--max-message-bytes", args.max_message_bytes, 64),
+              ("--max-tokens-limit", args.max_tokens_limit, 1), ("--max-connections", args.max_connections, 1))
+    for option, value, low in checks:
+        if value < low:
+            raise ConfigError(f"{option} must be at least {low}, got {value}")
+    if not args.stall_timeout > 0:
+        raise ConfigError(f"--stall-timeout must be positive, got {args.stall_timeout}")
+    return ServeConfig(socket=Path(args.socket) if args.socket else default_socket_path(),
+                       queue_depth=args.queue_depth, max_message_bytes=args.max_message_bytes,
+                       max_tokens=args.max_tokens_limit, max_connections=args.max_connections,
+                       stall_timeout_s=args.stall_timeout)
+
+
+def load_backend_factory(spec: str) -> Callable[[argparse.Namespace], Backend]:
+    """Resolve ``MODULE:FACTORY`` (``fake`` means ``fake_backend:make_backend``)."""
+    if spec == "fake":
+        spec = "fake_backend:make_backend"
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr or "make_backend")
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--backend {spec}: {exc}") from None
+
+
+async def _serve_until_signal(config: ServeConfig, backend: Backend, files: SocketFiles) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            daemon = await nursery.start(partial(serve, config, backend, files=files))
+
+            async def watch() -> None:
+                async for signum in signals:
+                    log.info("received %s", signal.Signals(signum).name)
+                    daemon.shutdown()
+                    return
+
+            nursery.start_soon(watch)
+
+
+def serve_main(args: argparse.Namespace, make_backend: Callable[[argparse.Namespace], Backend]) -> int:
+    """Run the daemon in the foreground until SIGINT/SIGTERM; return the exit status.
+
+    Order: take the socket lock (refusing a second daemon before any model is
+    loaded), call ``make_backend(args)`` once, listen, write the status file,
+    serve. On a signal, in-flight requests are cancelled and the socket and
+    status file removed. Exit status 0 after a clean shutdown, 1 when the daemon
+    cannot start.
+    """
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=getattr(args, "log_level", "INFO"), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        config = config_from_args(args)
+        files = SocketFiles(config.socket)
+        files.acquire()
+    except (ConfigError, DaemonAlreadyRunning, OSError) as exc:
+        print(f"lever-actors serve: {exc}", file=sys.stderr)
+        return 1
+    try:
+        factory = load_backend_factory(args.backend) if getattr(args, "backend", None) else make_backend
+        backend = factory(args)
+        trio.run(_serve_until_signal, config, backend, files)
+    except LeverError as exc:
+        print(f"lever-actors serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        files.release()
+    log.info("stopped")
+    return 0
+
+
+def _no_backend(args: argparse.Namespace) -> Backend:
+    raise ConfigError("this entry point has no engine of its own: pass --backend MODULE:FACTORY "
+                      "(or run `lever-actors serve`)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lever_actors.daemon",
+        description="Run the lever-actors daemon in the foreground with a backend given as "
+                    "--backend MODULE:FACTORY ('fake' = fake_backend:make_backend from tests/, "
+                    "which must be on PYTHONPATH). `lever-actors serve` runs the real engine.")
+    add_serve_arguments(parser)
+    return serve_main(parser.parse_args(argv), _no_backend)
+
+
+if __name__ == "__main__":
+    # Run the imported module's main, so logger and class names are lever_actors.daemon's.
+    from lever_actors.daemon import main as _main
+    sys.exit(_main())

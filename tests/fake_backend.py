@@ -1,0 +1,244 @@
+"""A deterministic Backend for daemon tests, plus the tests' shared harness.
+
+FakeBackend: tokens come from a hash of (prompt, seed, position); each token
+takes ``await trio.sleep(delay_s)`` (virtual time under MockClock); chunks of
+1-3 tokens are emitted the way speculative passes commit them. A buffer pool
+counts what each generation holds, so tests can prove cancellation frees
+everything. A prompt containing ``FAIL`` raises after two tokens.
+
+Usable from a daemon process: ``python -m lever_actors.daemon --backend
+fake_backend:make_backend`` with this directory on PYTHONPATH; LEVER_FAKE_DELAY_S
+and LEVER_FAKE_CONTEXT set its token delay and context length.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import socket
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import trio
+import trio.testing
+
+from lever_actors.backend import Emit, GenerateOutcome, GenerateParams
+from lever_actors.daemon import ServeConfig, serve
+from lever_actors.errors import ConfigError
+
+WORDS = ("alpha ", "beta ", "gamma ", "delta ", "eps ", "zeta ", "eta ", "theta ", "iota ",
+         "kappa ", "lambda ", "mu ", "nu ", "xi ", "omicron ", "pi ", "rho ", "sigma ", "tau ",
+         "phi ", "chi ", "psi ", "omega ", "é ", "→ ", "\n", "(", ")", ":", "=", "return ", "def ")
+
+
+class BufferPool:
+    """Counts buffers; acquiring from an empty pool is a test failure (a leak)."""
+
+    def __init__(self, total: int):
+        self.total, self.free = total, total
+
+    def acquire(self) -> None:
+        if self.free == 0:
+            raise RuntimeError("buffer pool exhausted: a previous request leaked buffers")
+        self.free -= 1
+
+    def release(self) -> None:
+        self.free += 1
+        assert self.free <= self.total
+
+
+def prompt_text(params: GenerateParams) -> str:
+    if params.prompt is not None:
+        return params.prompt
+    return "".join(f"{m['role']}: {m['content']}\n" for m in params.messages or ())
+
+
+def _digest(*parts: Any) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+
+
+def token_at(params: GenerateParams, position: int) -> int:
+    return _digest(prompt_text(params), params.seed, params.temperature, position) % len(WORDS)
+
+
+def expected_tokens(params: GenerateParams) -> tuple[list[int], str, str]:
+    """What FakeBackend produces for ``params``: (token ids, text, finish reason)."""
+    ids: list[int] = []
+    text = ""
+    for pos in range(params.max_tokens):
+        tok = token_at(params, pos)
+        if any(s in text + WORDS[tok] for s in params.stop):
+            return ids, text, "stop"
+        ids.append(tok)
+        text += WORDS[tok]
+    return ids, text, "length"
+
+
+class FakeBackend:
+    def __init__(self, *, delay_s: float = 0.01, context_length: int = 8192,
+                 buffers: int = 4, modes: tuple[str, ...] = ("resident-ar", "flash-ar", "flash-chain"),
+                 description_padding: int = 0, prefill_s: float = 0.0):
+        self.delay_s = delay_s
+        self.prefill_s = prefill_s
+        self.description_padding = description_padding
+        self.context_length = context_length
+        self.modes = modes
+        self.pool = BufferPool(buffers)
+        self.generations = 0
+
+    def describe(self) -> dict:
+        return {"models": {"draft": {"name": "fake-draft", "n_vocab": len(WORDS)},
+                           "target": {"name": "fake-target", "n_vocab": len(WORDS)}},
+                "mode": self.modes[0], "modes": list(self.modes),
+                "context_length": self.context_length, "dram_budget_bytes": None,
+                "padding": "x" * self.description_padding}
+
+    def count_prompt_tokens(self, params: GenerateParams) -> int:
+        return len(prompt_text(params).split()) + 1
+
+    def pool_stats(self) -> dict:
+        return {"buffers_total": self.pool.total, "buffers_free": self.pool.free}
+
+    async def generate(self, params: GenerateParams, emit: Emit) -> GenerateOutcome:
+        self.generations += 1
+        if params.mode is not None and params.mode.startswith("flash-chain:"):
+            if not params.mode.partition(":")[2].isdigit():
+                raise ConfigError(f"flash-chain needs an integer draft length, got {params.mode!r}")
+        self.pool.acquire()  # the request's KV buffer, held until the end
+        try:
+            await trio.sleep(self.prefill_s)  # the prompt pass: no emit for a while
+            ids, text, reason = expected_tokens(params)
+            pos = passes = 0
+            while pos < len(ids):
+                n = 1 + _digest("chunk", prompt_text(params), pos) % 3
+                chunk = ids[pos:pos + n]
+                self.pool.acquire()  # a per-pass scratch buffer, across the await
+                try:
+                    await trio.sleep(self.delay_s * len(chunk))
+                    if "FAIL" in prompt_text(params) and pos >= 2:
+                        raise RuntimeError("injected backend failure")
+                    await emit("".join(WORDS[t] for t in chunk), chunk)
+                finally:
+                    self.pool.release()
+                pos += len(chunk)
+                passes += 1
+            drafted = len(ids) + passes
+            stats = {"draft_n": drafted, "draft_n_accepted": len(ids) - passes,
+                     "mean_accepted": (len(ids) - passes) / passes if passes else 0.0,
+                     "passes": passes, "flash_bytes_read": 1000 * passes,
+                     "flash_bytes_per_token": 1000 * passes / len(ids) if ids else 0.0,
+                     "io_s": self.delay_s * passes / 2, "compute_s": self.delay_s * len(ids),
+                     "n_tokens": len(ids)}
+            return GenerateOutcome(text=text, token_ids=ids, finish_reason=reason, stats=stats)
+        finally:
+            self.pool.release()
+
+
+def make_backend(args: Any) -> FakeBackend:
+    """Factory for ``--backend fake_backend:make_backend`` in a daemon process."""
+    return FakeBackend(delay_s=float(os.environ.get("LEVER_FAKE_DELAY_S", "0.005")),
+                       context_length=int(os.environ.get("LEVER_FAKE_CONTEXT", "8192")))
+
+
+def params(prompt: str = "def add(a, b):", **kw: Any) -> GenerateParams:
+    base = dict(prompt=prompt, messages=None, max_tokens=16, temperature=0.0, top_p=1.0,
+                seed=None, stop=(), mode=None)
+    base.update(kw)
+    return GenerateParams(**base)
+
+
+# --- harness ------------------------------------------------------------------------
+
+def trio_autojump(fn):
+    """Run an async test in a fresh trio run on a MockClock that jumps when idle.
+
+    A wedged test fails with TooSlowError after a virtual hour (instantly).
+    """
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        async def bounded() -> Any:
+            with trio.fail_after(3600):
+                return await fn(*args, **kwargs)
+        return trio.run(bounded, clock=trio.testing.MockClock(autojump_threshold=0))
+    return wrapper
+
+
+@asynccontextmanager
+async def running_daemon(socket_path: Path, backend: FakeBackend | None = None, **config: Any):
+    """Run the real daemon in this trio run; yield it; shut it down gracefully."""
+    backend = backend or FakeBackend()
+    try:
+        async with trio.open_nursery() as nursery:
+            daemon = await nursery.start(serve, ServeConfig(socket=Path(socket_path), **config), backend)
+            try:
+                yield daemon
+            finally:
+                daemon.shutdown()
+    except BaseExceptionGroup as group:  # let tests see the one exception they expect
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+class RawConnection:
+    """A client that speaks raw msgpack over a trio socket (no lever client code)."""
+
+    def __init__(self, stream: trio.SocketStream):
+        self.stream = stream
+        self.unpacker = msgpack.Unpacker(raw=False)
+
+    @classmethod
+    async def open(cls, path: Path) -> RawConnection:
+        return cls(await trio.open_unix_socket(str(path)))
+
+    async def send(self, obj: Any) -> None:
+        await self.stream.send_all(msgpack.packb(obj, use_bin_type=True))
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def receive(self) -> Any:
+        """Next message, or None at EOF."""
+        while True:
+            for obj in self.unpacker:
+                return obj
+            data = await self.stream.receive_some(65536)
+            if not data:
+                return None
+            self.unpacker.feed(data)
+
+    async def request(self, msgid: int, method: str, params: dict | None = None) -> tuple[list, Any]:
+        """Send a request; return (notifications seen before the response, response)."""
+        await self.send([0, msgid, method, [params or {}]])
+        notes = []
+        while True:
+            msg = await self.receive()
+            if msg is None or (msg[0] == 1 and msg[1] == msgid):
+                return notes, msg
+            notes.append(msg)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def raw_blocking_request(path: Path, requests: list[list], timeout: float = 10.0) -> list:
+    """Blocking socket: send requests, read until every one is answered; return all messages."""
+    wanted = {r[1] for r in requests}
+    out = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(b"".join(msgpack.packb(r) for r in requests))
+        unpacker = msgpack.Unpacker(raw=False)
+        while wanted:
+            data = s.recv(65536)
+            if not data:
+                break
+            unpacker.feed(data)
+            for msg in unpacker:
+                out.append(msg)
+                if msg[0] == 1:
+                    wanted.discard(msg[1])
+    return out
