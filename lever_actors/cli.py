@@ -39,9 +39,9 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] (default resident-ar; with --socket, "
                         "the daemon's mode)")
-    g.add_argument("--dram-budget", default="unlimited", metavar="SIZE",
-                   help="DRAM budget such as 1GiB or 800MB, or 'unlimited' (default); what does not fit streams "
-                        "from flash")
+    g.add_argument("--dram-budget", default=None, metavar="SIZE",
+                   help="DRAM budget such as 1GiB or 800MB, or 'unlimited'; what does not fit streams from flash "
+                        "(default: 1GiB for the flash modes, unlimited for resident-ar)")
     g.add_argument("--gamma", type=int, default=None, help="draft chain length of flash-chain (default 8)")
     g.add_argument("--flash-bandwidth", default=None, metavar="RATE",
                    help="cap flash reads to emulate a slower device, e.g. 800MB (bytes per second)")
@@ -111,7 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # daemon not built into this checkout
         pass
     _add_runtime_args(s, default_mode="flash-chain:8")
-    s.set_defaults(dram_budget="1GiB")
     _add_model_args(s)
     return ap
 

@@ -33,6 +33,16 @@ def parse_size(text: str | None) -> int | None:
     raise ConfigError(f"cannot read size {text!r}: use e.g. 1GiB, 800MB, 512MiB or 'unlimited'")
 
 
+DEFAULT_FLASH_BUDGET = "1GiB"
+
+
+def default_budget(mode: str, text: str | None) -> int | None:
+    """The flash modes default to a phone-like 1 GiB; resident-ar needs no budget."""
+    if text is None:
+        return None if mode == "resident-ar" else parse_size(DEFAULT_FLASH_BUDGET)
+    return parse_size(text)
+
+
 def parse_mode(text: str, gamma: int | None = None) -> tuple[str, int]:
     """'flash-chain:8' -> ('flash-chain', 8). The parameter is the chain length."""
     name, _, param = text.partition(":")
@@ -75,7 +85,7 @@ class EngineConfig:
         bw = getattr(args, "flash_bandwidth", None)
         return cls(
             target=args.target, draft=args.draft, mode=mode, gamma=gamma, model=getattr(args, "model", "target"),
-            context=args.context, dram_budget=parse_size(getattr(args, "dram_budget", None)),
+            context=args.context, dram_budget=default_budget(mode, getattr(args, "dram_budget", None)),
             flash_bandwidth=parse_size(bw) if bw else None,
             lane=LaneConfig(threads=args.threads, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
                             precision=args.precision),

@@ -169,5 +169,8 @@ def resolve_bundle(spec: str | None, role: str, say=None) -> Path:
         p = Path(spec)
         if p.suffix == ".gguf":
             raise ModelError(f"{p} is a GGUF file; convert it first: lever-actors convert {p} {p.with_suffix('')}")
+        from lever_actors.bundle import load_bundle
+
+        load_bundle(p)  # a clear error now rather than a missing file later
         return p
     return fetch((role,), say)[role]

@@ -1,0 +1,121 @@
+"""The command line: clear errors for bad input, conversion refusals, help that teaches."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter
+
+from lever_actors.cli import main
+from lever_actors.convert import convert
+from lever_actors.engine import parse_mode, parse_size
+from lever_actors.errors import ConfigError, ModelError, UnsupportedModel
+
+
+def run(capsys, *argv) -> tuple[int, str]:
+    code = main(list(argv))
+    cap = capsys.readouterr()
+    return code, cap.out + cap.err
+
+
+@pytest.mark.parametrize("text,want", [("1GiB", 2**30), ("800MB", 800 * 10**6), ("512m", 512 * 2**20),
+                                       ("unlimited", None), ("4096", 4096)])
+def test_sizes(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1GiB", "0", "1XB", ""])
+def test_bad_sizes_are_refused_with_examples(bad):
+    with pytest.raises(ConfigError, match="1GiB"):
+        parse_size(bad)
+
+
+def test_modes():
+    assert parse_mode("flash-chain:4") == ("flash-chain", 4)
+    assert parse_mode("flash-ar")[0] == "flash-ar"
+    for bad in ("warp", "flash-ar:3", "flash-chain:x", "flash-chain:0"):
+        with pytest.raises(ConfigError):
+            parse_mode(bad)
+
+
+def test_generate_without_a_prompt_says_how(capsys, tiny_bundles):
+    code, out = run(capsys, "generate", "--target", str(tiny_bundles[0]))
+    assert code == 1 and "no prompt" in out and "--prompt-file" in out
+
+
+def test_generate_with_a_bad_budget_or_mode(capsys, tiny_bundles):
+    code, out = run(capsys, "generate", "hi", "--target", str(tiny_bundles[0]), "--mode", "flash-ar",
+                    "--dram-budget", "lots")
+    assert code == 1 and "cannot read size" in out
+    code, out = run(capsys, "generate", "hi", "--target", str(tiny_bundles[0]), "--mode", "warp")
+    assert code == 1 and "unknown mode" in out
+
+
+def test_generate_json_on_the_tiny_model(capsys, tiny_bundles):
+    import json
+
+    code, out = run(capsys, "generate", "def f(", "--target", str(tiny_bundles[0]), "--max-tokens", "5", "--json",
+                    "--context", "64")
+    assert code == 0
+    obj = json.loads(out.strip().splitlines()[-1])
+    assert len(obj["token_ids"]) == 5 and obj["prompt_token_ids"] and "tokens_per_s" in obj["timings"]
+
+
+def test_too_long_prompt_is_a_context_error(capsys, tiny_bundles):
+    code, out = run(capsys, "generate", "x = 1\n" * 200, "--target", str(tiny_bundles[0]), "--context", "64")
+    assert code == 1 and "exceeds the context" in out
+
+
+def test_missing_bundle_is_explained(capsys, tmp_path):
+    code, out = run(capsys, "generate", "hi", "--target", str(tmp_path / "nope"))
+    assert code == 1 and "not a lever-actors bundle" in out
+
+
+def test_convert_refuses_existing_output_and_non_gguf(tmp_path, tiny_gguf):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ModelError, match="already exists"):
+        convert(tiny_gguf[0], tmp_path / "out")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(ModelError, match="not a readable GGUF"):
+        convert(junk, tmp_path / "b")
+    assert not list(tmp_path.glob("b*"))  # nothing half-written left behind
+
+
+def _write(path, arch="qwen2", qtype=QT.Q8_0):
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(32)
+    w.add_head_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    if qtype == QT.Q8_0:
+        from gguf.quants import quantize
+
+        data = quantize(np.zeros((32, 32), np.float32), QT.Q8_0)
+        w.add_tensor("blk.0.attn_q.weight", data, raw_shape=data.shape, raw_dtype=QT.Q8_0)
+    else:
+        data = np.zeros((32, 32 // 256 * 84 + 84), np.uint8)  # any bytes: the type is refused first
+        w.add_tensor("blk.0.attn_q.weight", data[:, :84], raw_shape=(32, 84), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    with pytest.raises(UnsupportedModel, match="'gpt2'"):
+        convert(_write(tmp_path / "a.gguf", arch="gpt2"), tmp_path / "a")
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    with pytest.raises(UnsupportedModel, match="Q2_K"):
+        convert(_write(tmp_path / "b.gguf", qtype=QT.Q2_K), tmp_path / "b")
+
+
+def test_help_teaches_with_examples(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "examples:" in out and "models fetch" in out and "--dram-budget" in out
