@@ -1,0 +1,117 @@
+"""Greedy agreement with an independent implementation (llama.cpp through llama-cpp-python).
+
+    python tools/compare_llamacpp.py --humaneval 0:80 --tokens 64 [--model target|draft|both]
+
+llama-cpp-python is a tool dependency only: it is installed from PyPI into its own venv
+(``--llama-venv``, default ``~/.cache/lever-actors/llama-venv``; building it compiles llama.cpp, a
+few minutes) and runs in a subprocess, fed the same prompt token ids our tokenizer produced. For
+each prompt both sides decode ``--tokens`` greedy tokens from the raw prompt; we report the share of
+prompts whose first 32 tokens are identical and the mean index of the first divergence (near-ties in
+the logits make some divergence legitimate: int8 activations round differently from llama.cpp's q8).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import venv
+from pathlib import Path
+
+WORKER = r'''
+import json, sys
+from llama_cpp import Llama
+job = json.load(open(sys.argv[1]))
+llm = Llama(model_path=job["gguf"], n_ctx=job["n_ctx"], n_threads=job["threads"], verbose=False)
+out = []
+for ids in job["prompts"]:
+    llm.reset()
+    toks = []
+    for t in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        toks.append(int(t))
+        if len(toks) >= job["tokens"] or t == llm.token_eos():
+            break
+    out.append(toks)
+json.dump(out, open(sys.argv[2], "w"))
+'''
+
+
+def ensure_llama(venv_dir: Path) -> Path:
+    py = venv_dir / "bin" / "python"
+    ok = py.exists() and subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    if not ok:
+        print(f"installing llama-cpp-python into {venv_dir} (compiles llama.cpp) ...", file=sys.stderr)
+        venv.create(venv_dir, with_pip=True)
+        subprocess.run([str(py), "-m", "pip", "install", "llama-cpp-python"], check=True)
+    return py
+
+
+def ours(bundle: Path, prompts: list[list[int]], tokens: int, threads: int) -> list[list[int]]:
+    from lever_actors.bundle import load_bundle
+    from lever_actors.decode import decode_resident
+    from lever_actors.engine import load_tokenizer
+    from lever_actors.model import Transformer
+    from lever_actors.ortrt import LaneConfig
+    from lever_actors.sampling import SamplingParams
+
+    b = load_bundle(bundle)
+    eos = set(load_tokenizer(bundle).eos_ids)
+    m = Transformer(b, 1024, LaneConfig(threads=threads))
+    out = []
+    for ids in prompts:
+        m.kv.truncate(0)
+        out.append(decode_resident(m, ids, tokens, SamplingParams(), eos).token_ids)
+    return out
+
+
+def agreement(a: list[list[int]], b: list[list[int]], tokens: int) -> dict:
+    firsts = []
+    for x, y in zip(a, b):
+        n = min(len(x), len(y), tokens)
+        d = next((i for i in range(n) if x[i] != y[i]), n)
+        firsts.append(d)
+    same32 = sum(1 for f, x, y in zip(firsts, a, b) if f >= min(32, len(x), len(y)))
+    return {"prompts": len(a), "first32_identical": same32 / len(a), "mean_first_divergence": sum(firsts) / len(a),
+            "first_divergence": firsts}
+
+
+def main() -> None:
+    from lever_actors.bench import humaneval_prompts
+    from lever_actors.engine import load_tokenizer
+    from lever_actors.models import DEFAULT_PAIR, fetch, gguf_path, lever_home
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--humaneval", default="0:80")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--model", choices=("target", "draft", "both"), default="both")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-venv", type=Path, default=lever_home() / "llama-venv")
+    ap.add_argument("--json", dest="json_out")
+    a = ap.parse_args()
+    bundles = fetch()
+    py = ensure_llama(a.llama_venv)
+    tok = load_tokenizer(bundles["target"])
+    prompts = [tok.encode(p) for _, p in humaneval_prompts(a.humaneval)]
+    report = {}
+    for role in (("target", "draft") if a.model == "both" else (a.model,)):
+        with tempfile.TemporaryDirectory() as d:
+            job, res, script = Path(d) / "job.json", Path(d) / "out.json", Path(d) / "worker.py"
+            script.write_text(WORKER)
+            job.write_text(json.dumps({"gguf": str(gguf_path(DEFAULT_PAIR[role])), "prompts": prompts,
+                                       "tokens": a.tokens, "n_ctx": 1024, "threads": a.threads}))
+            env = dict(os.environ, PYTHONPATH="")
+            subprocess.run([str(py), str(script), str(job), str(res)], check=True, env=env)
+            theirs = json.loads(res.read_text())
+        mine = ours(bundles[role], prompts, a.tokens, a.threads)
+        report[role] = agreement(mine, theirs, a.tokens)
+        print(f"{role}: first 32 tokens identical on {100 * report[role]['first32_identical']:.0f}% of "
+              f"{len(prompts)} prompts; mean first divergence at token {report[role]['mean_first_divergence']:.1f}",
+              flush=True)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
