@@ -97,12 +97,27 @@ class NpuVerifier:
         return sess
 
     async def _builder(self, out_send) -> None:
-        """Turn this pass's LayerReady messages into sessions, in order.
+        """Turn this pass's LayerReady messages into sessions, delivered in stage order.
 
-        A slot stays lent until its stage has computed, so the pool bounds buffers
+        Builds of consecutive stages may run at once (as wide as the build lane);
+        a slot stays lent until its stage has computed, so the pool bounds buffers
         *and* the sessions built from them (what the DRAM budget counts per slot).
         """
-        async with out_send:
+        done = [trio.Event() for _ in self.streamed]
+        built: dict[int, tuple] = {}
+
+        async def build_one(k: int, stage: int, msg) -> None:
+            built[k] = (stage, await self.lanes.run("build", self._build, stage, msg.slot), msg)
+            done[k].set()
+
+        async def deliver() -> None:
+            async with out_send:
+                for k in range(len(self.streamed)):
+                    await done[k].wait()
+                    await out_send.send(built.pop(k))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(deliver)
             for k, stage in enumerate(self.streamed):
                 while True:
                     msg = await self.ready_recv.receive()
@@ -115,8 +130,7 @@ class NpuVerifier:
                     self._release(msg)
                     self.skipped += 1
                 self.holding[msg.slot] = msg
-                sess = await self.lanes.run("build", self._build, stage, msg.slot)
-                await out_send.send((stage, sess, msg))
+                nursery.start_soon(build_one, k, stage, msg)
 
     def _release_held(self, slot: int) -> None:
         self._release(self.holding.pop(slot))

@@ -27,6 +27,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context", type=int, default=1024, metavar="N",
                    help="KV cache slots = longest prompt + output (default 1024)")
     g.add_argument("--threads", type=int, default=1, metavar="N", help="threads of the verification lane (default 1)")
+    g.add_argument("--build-threads", type=int, default=1, metavar="N",
+                   help="streamed layers whose sessions are built at once (default 1)")
     g.add_argument("--precision", choices=("int8", "fp32"), default="int8",
                    help="activation precision: int8 (default; fast, batch-invariant, lossless speculation) "
                         "or fp32 (reference numerics, slow, not batch-invariant)")
@@ -209,6 +211,13 @@ def cmd_serve(args) -> int:
     return serve_main(args, make_backend)
 
 
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    e: BaseException = group
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return e
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -216,8 +225,14 @@ def main(argv=None) -> int:
         ap.print_help()
         return 2
     try:
-        return {"models": cmd_models, "convert": cmd_convert, "generate": cmd_generate,
-                "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
+        try:
+            return {"models": cmd_models, "convert": cmd_convert, "generate": cmd_generate,
+                    "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
+        except BaseExceptionGroup as group:  # an actor's error surfaces through trio's nursery
+            leaf = _first_leaf(group)
+            if isinstance(leaf, (LeverError, ValueError, KeyboardInterrupt)):
+                raise leaf from group
+            raise
     except LeverError as e:
         print(f"lever-actors: error: {e}", file=sys.stderr)
         return 1

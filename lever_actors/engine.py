@@ -73,6 +73,7 @@ class EngineConfig:
     flash_bandwidth: float | None = None
     lane: LaneConfig = field(default_factory=LaneConfig)
     trace: str | None = None
+    build_threads: int = 1
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
@@ -82,6 +83,8 @@ class EngineConfig:
             raise ConfigError(f"--context must be at least 16, got {args.context}")
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        if getattr(args, "build_threads", 1) < 1:
+            raise ConfigError(f"--build-threads must be >= 1, got {args.build_threads}")
         bw = getattr(args, "flash_bandwidth", None)
         return cls(
             target=args.target, draft=args.draft, mode=mode, gamma=gamma, model=getattr(args, "model", "target"),
@@ -89,7 +92,7 @@ class EngineConfig:
             flash_bandwidth=parse_size(bw) if bw else None,
             lane=LaneConfig(threads=args.threads, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
                             precision=args.precision),
-            trace=getattr(args, "trace", None),
+            trace=getattr(args, "trace", None), build_threads=getattr(args, "build_threads", 1),
         )
 
     def mode_string(self) -> str:
@@ -135,6 +138,9 @@ def generate_once(cfg: EngineConfig, prompt: str, args, on_text: Callable[[str],
     tok = load_tokenizer(tbundle)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if getattr(args, "chat", False) else prompt
     ids = tok.encode(text)
+    from lever_actors.decode import check_context
+
+    check_context(len(ids), args.max_tokens, cfg.context, slack=cfg.gamma + 1 if cfg.mode == "flash-chain" else 0)
     dec = tok.incremental_decoder()
 
     def on_token(t: int) -> bool:
@@ -144,7 +150,7 @@ def generate_once(cfg: EngineConfig, prompt: str, args, on_text: Callable[[str],
                 on_text(piece)
         return False
 
-    if cfg.mode == "resident-ar":
+    if role == "draft":  # the draft alone: plain resident decoding, no pipeline needed
         from lever_actors.bundle import load_bundle
         from lever_actors.decode import decode_resident
         from lever_actors.model import Transformer
@@ -156,7 +162,7 @@ def generate_once(cfg: EngineConfig, prompt: str, args, on_text: Callable[[str],
         if tail:
             on_text(tail)
         return Result(ids, gen.token_ids, tok.decode([t for t in gen.token_ids if t not in tok.eos_ids]),
-                      gen.finish_reason, load_s, gen.prefill_s, gen.decode_s, {"mode": "resident-ar", "model": role})
+                      gen.finish_reason, load_s, gen.prefill_s, gen.decode_s, {"mode": "resident-ar", "model": "draft"})
     from lever_actors.runtime import run_generation
 
     dbundle = resolve_bundle(cfg.draft, "draft") if cfg.mode == "flash-chain" else None

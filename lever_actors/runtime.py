@@ -257,7 +257,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         done_send, done_recv = trio.open_memory_channel(caps["done"])
         commit_send, commit_recv = trio.open_memory_channel(caps["commits"])
         stats_send, stats_recv = trio.open_memory_channel(caps["stats"])
-        lanes = lanes or ThreadLanes()
+        lanes = lanes or ThreadLanes({"build": cfg.build_threads})
         prefetcher = FlashPrefetcher(stages, pool, files, ready_send, rel_recv, lanes, tracer, cfg.flash_bandwidth)
         verifier = NpuVerifier(target, [s.stage for s in stages], target.resident, target.head_sessions,
                                plan_recv, done_send, ready_recv, rel_send, pool, lanes, tracer, abort_recv)
