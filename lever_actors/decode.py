@@ -13,10 +13,14 @@ from lever_actors.sampling import SamplingParams, next_token
 
 
 @dataclass
-class Generation:
+class Result:
+    """One finished generation, whichever path produced it."""
+
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
+    text: str = ""
     finish_reason: str = "length"
+    load_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stats: dict = field(default_factory=dict)
@@ -37,10 +41,10 @@ def check_context(n_prompt: int, max_tokens: int, context: int, slack: int = 0) 
 
 
 def decode_resident(model: Transformer, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
-                    stop_ids: set[int], on_token: Callable[[int], bool] | None = None) -> Generation:
+                    stop_ids: set[int], on_token: Callable[[int], bool] | None = None) -> Result:
     """Greedy or sampled decoding; ``on_token`` may return True to stop early."""
     check_context(len(prompt_ids), max_tokens, model.context)
-    gen = Generation(list(prompt_ids))
+    gen = Result(list(prompt_ids))
     t0 = time.perf_counter()
     h = model.prefill(prompt_ids)
     tok = next_token(model.logits(h)[0], params, 0)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from lever_actors.decode import Result  # noqa: F401 - re-exported for callers
 from lever_actors.errors import ConfigError
 from lever_actors.ortrt import LaneConfig
 from lever_actors.sampling import SamplingParams
@@ -99,22 +100,6 @@ class EngineConfig:
         return f"{self.mode}:{self.gamma}" if self.mode == "flash-chain" else self.mode
 
 
-@dataclass
-class Result:
-    prompt_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    load_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    stats: dict = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.token_ids) / self.decode_s if self.decode_s > 0 else 0.0
-
-
 def sampling_from_args(args) -> SamplingParams:
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -161,8 +146,9 @@ def generate_once(cfg: EngineConfig, prompt: str, args, on_text: Callable[[str],
         tail = dec.flush()
         if tail:
             on_text(tail)
-        return Result(ids, gen.token_ids, tok.decode([t for t in gen.token_ids if t not in tok.eos_ids]),
-                      gen.finish_reason, load_s, gen.prefill_s, gen.decode_s, {"mode": "resident-ar", "model": "draft"})
+        gen.text = tok.decode([t for t in gen.token_ids if t not in tok.eos_ids])
+        gen.load_s, gen.stats = load_s, {"mode": "resident-ar", "model": "draft"}
+        return gen
     from lever_actors.runtime import run_generation
 
     dbundle = resolve_bundle(cfg.draft, "draft") if cfg.mode == "flash-chain" else None

@@ -58,6 +58,15 @@ def next_token(logits: np.ndarray, params: SamplingParams, step: int) -> int:
     return sample(probs_from_logits(logits, params), rng_for(params.seed, step))
 
 
+def children_of(parents: np.ndarray) -> dict[int, list[int]]:
+    """node -> its children, in node order (the order siblings are tried in)."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children.setdefault(int(p), []).append(i)
+    return children
+
+
 def accept_greedy(parents: np.ndarray, tokens: np.ndarray, target_argmax: np.ndarray) -> tuple[list[int], list[int]]:
     """Longest tree path the target agrees with.
 
@@ -67,10 +76,7 @@ def accept_greedy(parents: np.ndarray, tokens: np.ndarray, target_argmax: np.nda
     tokens): the accepted drafted tokens plus the target's own next token, so at
     least one token is always committed.
     """
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parents):
-        if p >= 0:
-            children.setdefault(int(p), []).append(i)
+    children = children_of(parents)
     path, node = [0], 0
     while True:
         want = int(target_argmax[node])
@@ -95,10 +101,7 @@ def accept_sampled(parents: np.ndarray, tokens: np.ndarray, draft_probs: list, t
     ``x`` removed and is renormalised (sampling without replacement). When no
     child is accepted the token is drawn from the residual ``q``.
     """
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parents):
-        if p >= 0:
-            children.setdefault(int(p), []).append(i)
+    children = children_of(parents)
     path, node = [0], 0
     while True:
         q = np.asarray(target_probs[node], np.float64).copy()
