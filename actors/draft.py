@@ -15,24 +15,26 @@ class Drafter:
     Inputs: ``requests_recv`` (DraftRequest: newly committed tokens, the last one
     being the root, and how much to draft).
     Outputs: ``out_send`` (DraftExpansion; ``parents`` -1 = child of the root).
-    Invariants: the draft KV holds exactly the committed prefix before the root
-    plus scratch rows of the last draft; scratch rows whose tokens were then
-    committed are kept, not recomputed (and after a fully accepted chain the last
-    drafted token, never fed, is fed now: the catch-up step).
+    Invariants: the draft KV holds exactly the committed prefix plus scratch rows
+    of the last draft tree (node i in slot prefix+i); rows on the path that was
+    then committed are kept, not recomputed, and the rest is fed (after a fully
+    accepted chain that includes the last drafted token: the catch-up step).
     Backpressure: one request at a time on the CPU lane.
-    Cancellation: a draft in a thread finishes; the KV may hold a partial
-    scratch area, which the next request's prefix matching discards.
+    Cancellation: a draft in a thread finishes; its scratch rows are discarded
+    by the next request's sync (or its reset).
     """
 
     def __init__(self, model, requests_recv, out_send, lanes, tracer) -> None:
         self.m = model
         self.requests_recv, self.out_send = requests_recv, out_send
         self.lanes, self.tracer = lanes, tracer
-        self.scratch: list[int] = []  # tokens fed after the committed prefix, in slot order
+        # the last draft tree: node i sits in KV slot (prefix length + i) once fed
+        self.children: dict[int, dict[int, int]] = {}  # parent node (-1 = root) -> token -> node
+        self.fed: list[bool] = []
 
     def reset(self) -> None:
         self.m.kv.truncate(0)
-        self.scratch = []
+        self.children, self.fed = {}, []
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with self.requests_recv, self.out_send:
@@ -53,56 +55,125 @@ class Drafter:
             kv.commit(slots)
         return last
 
+    def _sync(self, new: list[int]) -> np.ndarray | None:
+        """Commit ``new`` tokens: keep drafted rows on the accepted path, feed the rest.
+
+        Returns the hidden row of the last token fed (the root), or None if nothing was.
+        """
+        kv = self.m.kv
+        base, node, keep = kv.length, -1, []
+        for t in new[:-1]:  # never reuse the root's row: its logits are needed and were not kept
+            child = self.children.get(node, {}).get(t)
+            if child is None or not self.fed[child]:
+                break
+            keep.append(base + child)
+            node = child
+        kv.commit(keep)  # moves the accepted path's rows next to the prefix
+        self.children, self.fed = {}, []
+        return self._feed(new[len(keep):]) if len(keep) < len(new) else None
+
     def draft(self, req: DraftRequest) -> DraftExpansion:
-        from lever_actors.model import causal_layout
-        from lever_actors.sampling import SamplingParams, probs_from_logits, rng_for, sample
+        """Grow a token tree below the root, one batched draft call per level.
+
+        Every level scores the children (top ``top_k`` when greedy, sampled without
+        replacement when sampling) of the frontier and keeps the most probable
+        paths within ``max_nodes``; the kept nodes of the level are fed to the
+        draft model together, which gives the next level's distributions. A chain
+        is the case ``top_k == 1``.
+        """
+        from lever_actors.sampling import SamplingParams, probs_from_logits, rng_for
 
         t0 = time.perf_counter()
         if req.reset:
             self.reset()
-        new = list(req.committed)
         kv = self.m.kv
-        k = 0
-        while k < min(len(self.scratch), len(new) - 1) and self.scratch[k] == new[k]:
-            k += 1  # never reuse the root's row: its logits are needed and were not kept
-        kv.commit(list(range(kv.length, kv.length + k)))  # scratch rows that became committed stay
-        self.scratch = []
-        hidden = self._feed(new[k:]) if k < len(new) else None
-        parents, tokens, probs, dists = [], [], [], []
+        hidden = self._sync(list(req.committed))
         params = SamplingParams(req.temperature, req.top_p, req.seed)
-        if req.max_depth > 0:
+        parents, tokens, probs, path_p = [], [], [], []
+        dists: dict[int, np.ndarray] = {}  # node (-1 = root) -> distribution its children came from
+        if req.max_depth > 0 and req.max_nodes > 0:
             if hidden is None:
                 raise RuntimeError("draft request commits nothing new: the root must be newly committed")
+            frontier, rows = [-1], hidden  # nodes whose children we can score now, and their hidden rows
             for depth in range(req.max_depth):
-                logits = self.m.logits(hidden)[0]
-                if params.greedy:
-                    z = logits.astype(np.float64)
-                    p = np.exp(z - z.max())
-                    p /= p.sum()
-                    tok = int(np.argmax(logits))
-                else:
-                    p = probs_from_logits(logits, params)
-                    tok = sample(p, rng_for(params.seed ^ 0x5EED, req.step, depth))
-                    dists.append(p.astype(np.float32))
-                parents.append(depth - 1)
-                tokens.append(tok)
-                probs.append(float(p[tok]))
-                if depth + 1 == req.max_depth:
+                logits = self.m.logits(rows)
+                cands = []
+                for r, node in enumerate(frontier):
+                    p = self._distribution(logits[r], params)
+                    if not params.greedy:
+                        dists[node] = p.astype(np.float32)
+                    base_p = path_p[node] if node >= 0 else 1.0
+                    for tok in self._children(p, req.top_k, params, req.step, node):
+                        cands.append((base_p * float(p[tok]), node, tok, float(p[tok])))
+                cands.sort(key=lambda c: -c[0])
+                room = req.max_nodes - len(tokens)
+                level = []
+                for pp, parent, tok, q in cands[:room]:
+                    parents.append(parent)
+                    tokens.append(tok)
+                    probs.append(q)
+                    path_p.append(pp)
+                    level.append(len(tokens) - 1)
+                if not level or len(tokens) >= req.max_nodes or depth + 1 == req.max_depth:
                     break
-                pos = kv.length + len(self.scratch)
-                hidden = self.m.forward_resident([tok], [pos], [pos], self._layout(pos))
-                self.scratch.append(tok)
+                rows = self._feed_level(level, parents, tokens)
+                frontier = level
         self.tracer.add(f"draft {len(tokens)}", "cpu", t0, time.perf_counter())
+        dist_rows = None
+        if dists:
+            vocab = next(iter(dists.values())).shape[0]
+            dist_rows = np.zeros((len(tokens) + 1, vocab), np.float32)  # row 0: root, row i+1: node i
+            for node, p in dists.items():
+                dist_rows[node + 1] = p
         return DraftExpansion(
             session_id=req.session_id, step=req.step, epoch=req.epoch, root_token=req.root_token,
             position=req.position, parents=np.asarray(parents, np.int32), tokens=np.asarray(tokens, np.int32),
-            draft_probs=np.asarray(probs, np.float32), draft_s=time.perf_counter() - t0,
-            dists=np.stack(dists) if dists else None,
+            draft_probs=np.asarray(probs, np.float32), draft_s=time.perf_counter() - t0, dists=dist_rows,
         )
 
-    def _layout(self, pos: int):
+    @staticmethod
+    def _distribution(logits: np.ndarray, params) -> np.ndarray:
+        from lever_actors.sampling import probs_from_logits
+
+        if params.greedy:
+            z = logits.astype(np.float64)
+            p = np.exp(z - z.max())
+            return p / p.sum()
+        return probs_from_logits(logits, params)
+
+    @staticmethod
+    def _children(p: np.ndarray, k: int, params, step: int, node: int) -> list[int]:
+        """Greedy: the top-k tokens. Sampling: k tokens drawn without replacement from p."""
+        from lever_actors.sampling import rng_for
+
+        if params.greedy:
+            top = np.argpartition(-p, min(k, len(p) - 1))[:k]
+            return [int(t) for t in top[np.argsort(-p[top], kind="stable")]]
+        rng = rng_for(params.seed ^ 0x5EED, step, node + 1)
+        nz = int(np.count_nonzero(p))
+        return [int(t) for t in rng.choice(len(p), size=min(k, nz), replace=False, p=p)]
+
+    def _feed_level(self, level: list[int], parents: list[int], tokens: list[int]) -> np.ndarray:
+        """Run one tree level through the draft model; its rows go to scratch slots base+node."""
         from lever_actors.model import attention_layout
 
-        # committed prefix + the scratch chain up to and including this token
         kv = self.m.kv
-        return attention_layout(kv.context, kv.length, [list(range(kv.length, pos + 1))])
+        base = kv.length
+        for node in level:  # record the scratch tree for the next request's sync
+            self.children.setdefault(parents[node], {})[tokens[node]] = node
+        while len(self.fed) <= max(level):
+            self.fed.append(False)
+        visible = []
+        for node in level:
+            path, n = [], node
+            while n >= 0:
+                path.append(base + n)
+                n = parents[n]
+            visible.append(path[::-1])
+        slots = np.asarray([base + n for n in level])
+        positions = np.asarray([base + len(v) - 1 for v in visible])
+        hidden = self.m.forward_resident([tokens[n] for n in level], positions, slots,
+                                         attention_layout(kv.context, base, visible))
+        for n in level:
+            self.fed[n] = True
+        return hidden

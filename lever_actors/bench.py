@@ -106,7 +106,7 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
     from lever_actors.runtime import open_pipeline
 
     tdir = resolve_bundle(args.target, "target")
-    ddir = resolve_bundle(args.draft, "draft") if any(c.mode == "flash-chain" for c in configs.values()) else None
+    ddir = resolve_bundle(args.draft, "draft") if any(c.drafted for c in configs.values()) else None
     tok = load_tokenizer(tdir)
     out = {"modes": {}, "settings": {"max_tokens": args.max_tokens, "dram_budget": args.dram_budget,
                                       "temperature": params.temperature, "prompts": [i for i, _ in prompts],
@@ -116,7 +116,7 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
         for m, cfg in configs.items():
             print(f"bench: loading {m} ...", file=sys.stderr, flush=True)
             pipes[m] = await stack.enter_async_context(
-                open_pipeline(cfg, tdir, ddir if cfg.mode == "flash-chain" else None, set(tok.eos_ids)))
+                open_pipeline(cfg, tdir, ddir if cfg.drafted else None, set(tok.eos_ids)))
             out["modes"][m] = {"plan": pipes[m].describe(), "prompts": []}
         warm = [p for _, p in prompts[: args.warmup]]
         for text in warm:

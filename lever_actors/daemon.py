@@ -441,7 +441,10 @@ class Connection:
         while True:
             data = None
             with trio.move_on_after(config.stall_timeout_s if fed > start else float("inf")):
-                data = await self.stream.receive_some(_RECEIVE_CHUNK)
+                try:
+                    data = await self.stream.receive_some(_RECEIVE_CHUNK)
+                except trio.BrokenResourceError:  # reset: it closed with replies unread
+                    return
             if data is None:
                 return await self._fatal(ErrorCode.INVALID_REQUEST,
                                          f"incomplete message: {fed - start} bytes, then nothing "

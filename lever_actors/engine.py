@@ -11,7 +11,8 @@ from lever_actors.errors import ConfigError
 from lever_actors.ortrt import LaneConfig
 from lever_actors.sampling import SamplingParams
 
-MODES = ("resident-ar", "flash-ar", "flash-chain")
+MODES = ("resident-ar", "flash-ar", "flash-chain", "flash-tree")
+DRAFTED = ("flash-chain", "flash-tree")  # modes that need the draft model
 
 
 def parse_size(text: str | None) -> int | None:
@@ -45,20 +46,21 @@ def default_budget(mode: str, text: str | None) -> int | None:
 
 
 def parse_mode(text: str, gamma: int | None = None) -> tuple[str, int]:
-    """'flash-chain:8' -> ('flash-chain', 8). The parameter is the chain length."""
+    """'flash-chain:8' -> ('flash-chain', 8). The parameter is the chain length (flash-tree: node count)."""
     name, _, param = text.partition(":")
     if name not in MODES:
-        raise ConfigError(f"unknown mode {name!r}; modes: {', '.join(MODES)} (flash-chain takes :GAMMA)")
+        raise ConfigError(f"unknown mode {name!r}; modes: {', '.join(MODES)} (flash-chain takes :GAMMA, "
+                          "flash-tree :NODES)")
     g = gamma if gamma is not None else 8
     if param:
-        if name != "flash-chain":
+        if name not in DRAFTED:
             raise ConfigError(f"mode {name} takes no parameter (got {text!r})")
         try:
             g = int(param)
         except ValueError:
             raise ConfigError(f"flash-chain:GAMMA needs an integer, got {param!r}") from None
-    if name == "flash-chain" and not 1 <= g <= 32:
-        raise ConfigError(f"gamma must be in 1..32, got {g}")
+    if name in DRAFTED and not 1 <= g <= 64:
+        raise ConfigError(f"{name} takes 1..64 drafted tokens, got {g}")
     return name, g
 
 
@@ -97,7 +99,11 @@ class EngineConfig:
         )
 
     def mode_string(self) -> str:
-        return f"{self.mode}:{self.gamma}" if self.mode == "flash-chain" else self.mode
+        return f"{self.mode}:{self.gamma}" if self.drafted else self.mode
+
+    @property
+    def drafted(self) -> bool:
+        return self.mode in DRAFTED
 
 
 def sampling_from_args(args) -> SamplingParams:
@@ -125,7 +131,7 @@ def generate_once(cfg: EngineConfig, prompt: str, args, on_text: Callable[[str],
     ids = tok.encode(text)
     from lever_actors.decode import check_context
 
-    check_context(len(ids), args.max_tokens, cfg.context, slack=cfg.gamma + 1 if cfg.mode == "flash-chain" else 0)
+    check_context(len(ids), args.max_tokens, cfg.context, slack=cfg.gamma + 1 if cfg.drafted else 0)
     dec = tok.incremental_decoder()
 
     def on_token(t: int) -> bool:
@@ -151,7 +157,7 @@ def generate_once(cfg: EngineConfig, prompt: str, args, on_text: Callable[[str],
         return gen
     from lever_actors.runtime import run_generation
 
-    dbundle = resolve_bundle(cfg.draft, "draft") if cfg.mode == "flash-chain" else None
+    dbundle = resolve_bundle(cfg.draft, "draft") if cfg.drafted else None
     return run_generation(cfg, tbundle, dbundle, tok, ids, args.max_tokens, params, on_token, on_text, dec, t0)
 
 

@@ -39,6 +39,8 @@ from protocols import Abort, DraftRequest, VerifyPlan
 # Channel capacities, one table (STYLE 8.7). One pass is in flight at a time, so
 # every link carries at most one message per pass; 1 is enough and keeps
 # backpressure tight. The release link is sized to the pool (see FlashPrefetcher).
+TREE_TOP_K = 3  # children scored per node by flash-tree
+TREE_MAX_DEPTH = 10
 CHANNELS = {"ready": 1, "plans": 1, "done": 1, "commits": 1, "stats": 1, "draft_requests": 1, "drafts": 1}
 
 
@@ -127,7 +129,8 @@ class Pipeline:
         from lever_actors.decode import check_context
 
         cfg = self.cfg
-        gamma = cfg.gamma if cfg.mode == "flash-chain" else 0
+        gamma = cfg.gamma if cfg.drafted else 0
+        top_k, max_depth = (1, gamma) if cfg.mode == "flash-chain" else (TREE_TOP_K, min(gamma, TREE_MAX_DEPTH))
         check_context(len(prompt_ids), max_tokens, self.target.context, slack=gamma + 1)
         self.session_id += 1
         sid = self.session_id
@@ -169,18 +172,23 @@ class Pipeline:
             if gamma:
                 await self.draft_send.send(DraftRequest(
                     session_id=sid, step=step, epoch=0, root_token=root, position=len(prompt_ids) + len(out) - 1,
-                    max_nodes=gamma, max_depth=gamma, top_k=1, committed=tuple(new_committed), **sampling))
+                    max_nodes=gamma, max_depth=max_depth, top_k=top_k, committed=tuple(new_committed), **sampling))
                 exp = await self._receive(self.draft_recv, sid)
                 drafted = [int(t) for t in exp.tokens]
+                tree_parents = [-1] + [int(p) + 1 for p in exp.parents]
                 dists = exp.dists
                 stats.draft_s += exp.draft_s
             else:
-                drafted, dists = [], None
+                drafted, tree_parents, dists = [], [-1], None
             tokens = np.asarray([root] + drafted, np.int32)
             k = len(tokens)
+            parents = np.asarray(tree_parents, np.int32)
+            depths = np.zeros(k, np.int32)
+            for i in range(1, k):
+                depths[i] = depths[parents[i]] + 1
             await self.plan_send.send(VerifyPlan(
                 session_id=sid, step=step, epoch=0, position=len(prompt_ids) + len(out) - 1, tokens=tokens,
-                parents=np.arange(-1, k - 1, dtype=np.int32), depths=np.arange(k, dtype=np.int32), bucket=k,
+                parents=parents, depths=depths, bucket=k,
                 prev_accepted=prev_accepted, want_logits=not params.greedy, draft_dists=dists, **sampling))
             commit = await self._receive(self.commit_recv, sid)
             ps = await self._receive(self.stats_recv, sid)

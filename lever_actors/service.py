@@ -23,7 +23,7 @@ class EngineBackend:
 
         self.cfg = cfg
         self.tdir = resolve_bundle(cfg.target, "target")
-        self.ddir = resolve_bundle(cfg.draft, "draft") if cfg.mode == "flash-chain" else None
+        self.ddir = resolve_bundle(cfg.draft, "draft") if cfg.drafted else None
         self.tok = load_tokenizer(self.tdir)
         self.pipe = None
 

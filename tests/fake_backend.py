@@ -12,10 +12,17 @@ and LEVER_FAKE_CONTEXT set its token delay and context length.
 """
 from __future__ import annotations
 
+import _thread
+import collections
+import faulthandler
 import functools
 import hashlib
 import os
 import socket
+import sys
+import threading
+import traceback
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -151,17 +158,127 @@ def params(prompt: str = "def add(a, b):", **kw: Any) -> GenerateParams:
 
 # --- harness ------------------------------------------------------------------------
 
-def trio_autojump(fn):
-    """Run an async test in a fresh trio run on a MockClock that jumps when idle.
+#: Real seconds a MockClock run may take before the watchdog fails it. A daemon
+#: test normally needs well under one; only a busy loop (tasks that stay
+#: runnable, so autojump never fires) gets near this.
+WATCHDOG_S = float(os.environ.get("LEVER_TEST_WATCHDOG_S", "120"))
+_WATCHDOG_SAMPLE_STEPS = 5000   # task steps counted to name the busy tasks
+_WATCHDOG_GRACE_S = 10.0        # real seconds per escalation step
 
-    A wedged test fails with TooSlowError after a virtual hour (instantly).
+
+class WatchdogTimeout(AssertionError):
+    """A MockClock run took too long in real time: something kept the loop busy."""
+
+
+class _Watchdog(trio.abc.Instrument):
+    """Fails a MockClock run that is still going after ``seconds`` of real time.
+
+    A busy loop keeps tasks runnable, so the autojump clock never advances and
+    no virtual timeout (``fail_after``) can ever fire; only real time can end
+    such a test. Escalation, from a helper thread: (1) count which tasks the
+    loop keeps stepping, report their await stacks and cancel the run; (2) if
+    the loop does not answer (a loop with no checkpoint at all), dump every
+    thread's stack and interrupt the main thread; (3) as a last resort, exit
+    the process, so CI fails instead of hanging.
     """
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.scope = trio.CancelScope()
+        self.report: str | None = None
+        self._done = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._steps: collections.Counter = collections.Counter()
+        self._n_steps = 0
+        self._thread = threading.Thread(target=self._watch, name="mockclock-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _watch(self) -> None:
+        if self._done.wait(self.seconds):
+            return
+        try:
+            self._token.run_sync_soon(self._begin_sample)
+        except trio.RunFinishedError:
+            return
+        if self._done.wait(_WATCHDOG_GRACE_S):
+            return
+        self.report = (f"the trio loop did not answer after {self.seconds + _WATCHDOG_GRACE_S:g} s "
+                       f"of real time (a loop with no checkpoint?); stacks of all threads:\n"
+                       + "".join(f"--- thread {ident}\n{''.join(traceback.format_stack(frame))}"
+                                 for ident, frame in sys._current_frames().items()))
+        _thread.interrupt_main()
+        if self._done.wait(_WATCHDOG_GRACE_S):
+            return
+        err = sys.__stderr__
+        err.write(f"\nMockClock watchdog: {self.report}\nthe main thread did not stop; exiting\n")
+        err.flush()
+        faulthandler.dump_traceback(file=err, all_threads=True)
+        os._exit(70)
+
+    def _begin_sample(self) -> None:
+        trio.lowlevel.add_instrument(self)
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._steps[task] += 1
+        self._n_steps += 1
+        if self._n_steps == _WATCHDOG_SAMPLE_STEPS:
+            self._token.run_sync_soon(self._fire)
+
+    def _fire(self) -> None:
+        trio.lowlevel.remove_instrument(self)
+        lines = [f"the run was still going after {self.seconds:g} s of real time at virtual "
+                 f"time {trio.current_time():.3f}: a busy loop kept MockClock's autojump from "
+                 f"firing. Tasks stepped in the last {self._n_steps} steps:"]
+        for task, n in self._steps.most_common(8):
+            stack = "".join(traceback.StackSummary.extract(task.iter_await_frames()).format())
+            lines.append(f"--- {n} steps: {task.name}\n{stack}")
+        self.report = "\n".join(lines)
+        self.scope.cancel()
+
+
+def run_autojump(async_fn: Callable[..., Awaitable[Any]], *args: Any,
+                 watchdog_s: float | None = None) -> Any:
+    """``trio.run(async_fn, *args)`` on ``MockClock(autojump_threshold=0)``, guarded.
+
+    Virtual time: a wedged run (every task blocked) fails with TooSlowError
+    after a virtual hour, which costs nothing. Real time: a run that keeps
+    the loop busy, so virtual time never moves, fails with
+    :class:`WatchdogTimeout` after ``watchdog_s`` (default
+    ``$LEVER_TEST_WATCHDOG_S`` or 120) seconds, naming the busy tasks.
+    """
+    watchdog = _Watchdog(WATCHDOG_S if watchdog_s is None else watchdog_s)
+
+    async def guarded() -> Any:
+        watchdog.start()
+        with watchdog.scope, trio.fail_after(3600):
+            return await async_fn(*args)
+
+    try:
+        result = trio.run(guarded, clock=trio.testing.MockClock(autojump_threshold=0))
+    except BaseException as exc:
+        if watchdog.report is None:
+            raise
+        raise WatchdogTimeout(watchdog.report) from exc
+    finally:
+        watchdog.stop()
+    if watchdog.report is not None:
+        raise WatchdogTimeout(watchdog.report)
+    return result
+
+
+def trio_autojump(fn):
+    """Run an async test in a fresh :func:`run_autojump` (MockClock, watchdog)."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        async def bounded() -> Any:
-            with trio.fail_after(3600):
-                return await fn(*args, **kwargs)
-        return trio.run(bounded, clock=trio.testing.MockClock(autojump_threshold=0))
+        return run_autojump(functools.partial(fn, *args, **kwargs))
     return wrapper
 
 

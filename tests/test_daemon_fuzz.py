@@ -15,12 +15,14 @@ import trio.testing
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
-from fake_backend import FakeBackend, RawConnection, expected_tokens, params, running_daemon
+from fake_backend import (FakeBackend, RawConnection, expected_tokens, params, run_autojump,
+                          running_daemon)
 from protocols.rpc import METHODS, ErrorCode
 
 CODES = {c.value for c in ErrorCode} - {"internal"}
 SENTINEL = 4_000_000_000
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # examples: the profile
+EXAMPLE_WATCHDOG_S = 30.0  # real seconds; an example takes milliseconds unless something spins
 
 
 def with_daemon(body, **config) -> None:
@@ -32,7 +34,7 @@ def with_daemon(body, **config) -> None:
                 await body(daemon, sock)
                 await check_still_serving(daemon, sock)
 
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    run_autojump(main, watchdog_s=EXAMPLE_WATCHDOG_S)
 
 
 async def check_still_serving(daemon, sock: Path) -> None:

@@ -169,3 +169,36 @@ def test_sampled_generation_is_reproducible_and_differs_from_greedy(tiny_bundles
     b = trio.run(generate, cfg, target, draft, ids, params)[0]
     assert a == b
     assert a != ar_tokens
+
+
+@pytest.mark.parametrize("draft_kind", ["perturbed", "exact", "unrelated"])
+@pytest.mark.parametrize("nodes", [2, 9, 24])
+def test_greedy_tree_equals_resident_ar(tiny_bundles, unrelated_draft, ar_tokens, draft_kind, nodes):
+    target = tiny_bundles[0]
+    draft = {"perturbed": tiny_bundles[1], "exact": target, "unrelated": unrelated_draft}[draft_kind]
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="flash-tree", gamma=nodes, context=CONTEXT, dram_budget=24 * 2**20)
+    toks, stats, _ = trio.run(generate, cfg, target, draft, ids)
+    assert toks == ar_tokens
+    if draft_kind == "exact":  # the target's own top choice is always in the tree: every level accepts
+        assert stats["mean_accepted"] >= 2
+
+
+def test_trees_accept_more_per_pass_than_chains_of_the_same_size(tiny_bundles):
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    per_pass = {}
+    for mode in ("flash-chain", "flash-tree"):
+        cfg = EngineConfig(mode=mode, gamma=12, context=CONTEXT, dram_budget=24 * 2**20)
+        per_pass[mode] = trio.run(generate, cfg, target, draft, ids)[1]["mean_accepted"]
+    assert per_pass["flash-tree"] > per_pass["flash-chain"]
+
+
+def test_sampled_tree_is_reproducible(tiny_bundles):
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="flash-tree", gamma=10, context=CONTEXT, dram_budget=24 * 2**20)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=9)
+    a = trio.run(generate, cfg, target, draft, ids, params)
+    b = trio.run(generate, cfg, target, draft, ids, params)
+    assert a[0] == b[0] and a[1]["passes"] == b[1]["passes"]
