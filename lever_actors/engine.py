@@ -11,8 +11,8 @@ from lever_actors.errors import ConfigError
 from lever_actors.ortrt import LaneConfig
 from lever_actors.sampling import SamplingParams
 
-MODES = ("resident-ar", "flash-ar", "flash-chain", "flash-tree")
-DRAFTED = ("flash-chain", "flash-tree")  # modes that need the draft model
+MODES = ("resident-ar", "flash-ar", "flash-chain", "flash-tree", "lever")
+DRAFTED = ("flash-chain", "flash-tree", "lever")  # modes that need the draft model
 
 
 def parse_size(text: str | None) -> int | None:
@@ -51,7 +51,7 @@ def parse_mode(text: str, gamma: int | None = None) -> tuple[str, int]:
     if name not in MODES:
         raise ConfigError(f"unknown mode {name!r}; modes: {', '.join(MODES)} (flash-chain takes :GAMMA, "
                           "flash-tree :NODES)")
-    g = gamma if gamma is not None else 8
+    g = gamma if gamma is not None else (32 if name == "lever" else 8)
     if param:
         if name not in DRAFTED:
             raise ConfigError(f"mode {name} takes no parameter (got {text!r})")

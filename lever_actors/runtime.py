@@ -39,6 +39,15 @@ from protocols import Abort, DraftRequest, VerifyPlan
 # Channel capacities, one table (STYLE 8.7). One pass is in flight at a time, so
 # every link carries at most one message per pass; 1 is enough and keeps
 # backpressure tight. The release link is sized to the pool (see FlashPrefetcher).
+def _subtree(keep: list[int], drafted, parents, dists, probs):
+    """Restrict a drafted tree (node 0 = root) to the ancestor-closed node list ``keep``."""
+    new_id = {old: new for new, old in enumerate(keep)}
+    d = [drafted[i - 1] for i in keep[1:]]
+    p = [-1] + [new_id[parents[i]] for i in keep[1:]]
+    rows = None if dists is None else dists[np.asarray(keep)]
+    return d, p, rows, np.asarray([probs[i - 1] for i in keep[1:]], np.float32)
+
+
 TREE_TOP_K = 3  # children scored per node by flash-tree
 TREE_MAX_DEPTH = 10
 CHANNELS = {"ready": 1, "plans": 1, "done": 1, "commits": 1, "stats": 1, "draft_requests": 1, "drafts": 1}
@@ -62,6 +71,7 @@ class RunStats:
     draft_s: float = 0.0
     pass_s: float = 0.0
     accept_hist: dict = field(default_factory=dict)
+    tree_sizes: list = field(default_factory=list)
 
     def as_dict(self, io_busy_s: float = 0.0) -> dict:
         p = max(self.passes, 1)
@@ -73,6 +83,7 @@ class RunStats:
             "pass_s": self.pass_s, "io_s_per_pass": io_busy_s / p, "compute_s_per_pass": self.compute_s / p,
             "overlap": 1.0 - self.io_wait_s / io_busy_s if io_busy_s > 0 else 1.0,
             "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
+            "mean_tree_nodes": float(np.mean(self.tree_sizes)) if self.tree_sizes else None,
         }
 
 
@@ -98,6 +109,9 @@ class Pipeline:
         self.tracer, self.prefetcher, self.verifier = tracer, prefetcher, verifier
         self.session_id = 0
         self.stale = 0
+        from lever_actors.planner import LeverPolicy
+
+        self.lever = LeverPolicy()  # calibration and costs persist across generations
 
     def describe(self) -> dict:
         return {"mode": self.cfg.mode_string(), "pinned_layers": list(self.plan.pinned),
@@ -131,6 +145,7 @@ class Pipeline:
         cfg = self.cfg
         gamma = cfg.gamma if cfg.drafted else 0
         top_k, max_depth = (1, gamma) if cfg.mode == "flash-chain" else (TREE_TOP_K, min(gamma, TREE_MAX_DEPTH))
+        draft_cap = gamma
         check_context(len(prompt_ids), max_tokens, self.target.context, slack=gamma + 1)
         self.session_id += 1
         sid = self.session_id
@@ -172,12 +187,21 @@ class Pipeline:
             if gamma:
                 await self.draft_send.send(DraftRequest(
                     session_id=sid, step=step, epoch=0, root_token=root, position=len(prompt_ids) + len(out) - 1,
-                    max_nodes=gamma, max_depth=max_depth, top_k=top_k, committed=tuple(new_committed), **sampling))
+                    max_nodes=draft_cap, max_depth=max_depth, top_k=top_k, committed=tuple(new_committed),
+                    **sampling))
                 exp = await self._receive(self.draft_recv, sid)
                 drafted = [int(t) for t in exp.tokens]
                 tree_parents = [-1] + [int(p) + 1 for p in exp.parents]
                 dists = exp.dists
                 stats.draft_s += exp.draft_s
+                probs = exp.draft_probs
+                if cfg.mode == "lever" and params.greedy:
+                    # (sampled trees are verified whole: choosing siblings by the tokens drawn
+                    # would bias speculative sampling)
+                    keep = self.lever.select(np.asarray(tree_parents), np.concatenate([[1.0], exp.draft_probs]), gamma)
+                    drafted, tree_parents, dists, probs = _subtree(keep, drafted, tree_parents, dists,
+                                                                   exp.draft_probs)
+                    stats.tree_sizes.append(len(keep))
             else:
                 drafted, tree_parents, dists = [], [-1], None
             tokens = np.asarray([root] + drafted, np.int32)
@@ -200,6 +224,10 @@ class Pipeline:
             stats.draft_n_accepted += len(commit.tokens) - 1
             stats.committed += len(commit.tokens)
             stats.accept_hist[len(commit.tokens)] = stats.accept_hist.get(len(commit.tokens), 0) + 1
+            if cfg.mode == "lever" and params.greedy:
+                self.lever.observe(parents, depths, np.concatenate([[1.0], probs]), commit.accepted_nodes,
+                                   pass_s=time.perf_counter() - t_pass, compute_s=ps.compute_s, draft_s=exp.draft_s)
+                draft_cap = self.lever.next_draft_size(gamma)
             prev_accepted = commit.accepted_nodes
             root = commit.tokens[-1]
             new_committed = list(commit.tokens)

@@ -202,3 +202,15 @@ def test_sampled_tree_is_reproducible(tiny_bundles):
     a = trio.run(generate, cfg, target, draft, ids, params)
     b = trio.run(generate, cfg, target, draft, ids, params)
     assert a[0] == b[0] and a[1]["passes"] == b[1]["passes"]
+
+
+@pytest.mark.parametrize("draft_kind", ["perturbed", "exact", "unrelated"])
+def test_lever_planned_trees_are_lossless(tiny_bundles, unrelated_draft, ar_tokens, draft_kind):
+    target = tiny_bundles[0]
+    draft = {"perturbed": tiny_bundles[1], "exact": target, "unrelated": unrelated_draft}[draft_kind]
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="lever", gamma=24, context=CONTEXT, dram_budget=24 * 2**20)
+    toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
+    assert toks == ar_tokens
+    assert stats["mean_tree_nodes"] is not None and 1 <= stats["mean_tree_nodes"] <= 24
+    assert pipe.lever.costs.ready and pipe.lever.calibration.seen.sum() > 0

@@ -1,0 +1,70 @@
+"""Gain/cost planning: valid trees, caps held, the objective never falls as nodes are added."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lever_actors.planner import AcceptanceCalibration, CostModel, path_probabilities, plan_tree
+
+
+@st.composite
+def candidate_trees(draw):
+    n = draw(st.integers(1, 40))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    cond = [1.0] + [draw(st.floats(0.0, 1.0)) for _ in range(1, n)]
+    return np.array(parents), np.array(cond)
+
+
+@given(candidate_trees(), st.floats(0.01, 2.0), st.floats(0.0, 0.2), st.integers(1, 40), st.integers(0, 12))
+def test_plan_is_a_valid_capped_subtree_whose_ratio_only_rises(tree, fixed, per_node, max_nodes, max_depth):
+    parents, cond = tree
+    p = path_probabilities(parents, cond)
+    cost = lambda n: fixed + per_node * n  # noqa: E731
+    keep = plan_tree(parents, p, cost, max_nodes, max_depth)
+    assert keep[0] == 0 and keep == sorted(set(keep))
+    assert len(keep) <= max(max_nodes, 1)
+    kept = set(keep)
+    depth = np.zeros(len(parents), int)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    for i in keep[1:]:
+        assert parents[i] in kept and depth[i] <= max_depth  # ancestor-closed, depth-capped
+    # replaying the greedy order, G/C never falls
+    order = [0]
+    ratio = 1 / cost(1)
+    rest = [i for i in keep[1:]]
+    gain = 1.0
+    while rest:
+        ok = [i for i in rest if parents[i] in order]
+        best = max(ok, key=lambda i: (p[i], -i))
+        gain += p[best]
+        order.append(best)
+        rest.remove(best)
+        new = gain / cost(len(order))
+        assert new >= ratio - 1e-12
+        ratio = new
+
+
+def test_free_verification_takes_every_useful_node_and_costly_takes_few():
+    parents = np.array([-1, 0, 1, 2, 3, 0, 5])
+    p = path_probabilities(parents, np.array([1, 0.9, 0.9, 0.9, 0.9, 0.05, 0.5]))
+    assert len(plan_tree(parents, p, lambda n: 1.0 + 0.001 * n, 10, 10)) == 7
+    assert plan_tree(parents, p, lambda n: 0.01 + 1.0 * n, 10, 10) == [0]
+
+
+def test_calibration_learns_from_observations():
+    cal = AcceptanceCalibration()
+    before = cal.conditional([1], [0.6])[0]
+    cal.observe([1] * 50, [0.6] * 50, [True] * 50)
+    assert cal.conditional([1], [0.6])[0] > max(before, 0.95)
+    cal.observe([2] * 50, [0.6] * 50, [False] * 50)
+    assert cal.conditional([2], [0.6])[0] < 0.05
+
+
+def test_cost_model_separates_fixed_and_per_node_time():
+    cm = CostModel(alpha=1.0)
+    cm.observe(n_nodes=10, pass_s=1.5, compute_s=0.2, draft_s=0.3)
+    assert abs(cm.compute_per_node_s - 0.02) < 1e-12
+    assert abs(cm.pass_fixed_s - 1.0) < 1e-12
+    assert cm.cost(20) > cm.cost(10) > cm.cost(1)
