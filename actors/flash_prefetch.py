@@ -46,6 +46,7 @@ class FlashPrefetcher:
         self.lent: set[int] = set()
         self.bytes_read = 0
         self.reads = 0
+        self.reading = 0  # a read in progress holds a lent slot not yet counted in reads
         self.direct = all(f.direct for f in files.values())
 
     def _read(self, stage: StreamStage, slot: int) -> float:
@@ -84,7 +85,9 @@ class FlashPrefetcher:
                         self._take_back(await self.released_recv.receive())
                     slot = self.free.pop()
                     self.lent.add(slot)
+                    self.reading = 1
                     io_s = await self.lanes.run("flash", self._read, stage, slot)
+                    self.reading = 0
                     self.bytes_read += stage.nbytes
                     self.reads += 1
                     self.direct = self.direct and self.files[stage.file].direct

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import _thread
 import collections
-import faulthandler
+import contextlib
 import functools
 import hashlib
 import os
@@ -23,7 +23,6 @@ import sys
 import threading
 import traceback
 from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -159,11 +158,9 @@ def params(prompt: str = "def add(a, b):", **kw: Any) -> GenerateParams:
 # --- harness ------------------------------------------------------------------------
 
 #: Real seconds a MockClock run may take before the watchdog fails it. A daemon
-#: test normally needs well under one; only a busy loop (tasks that stay
-#: runnable, so autojump never fires) gets near this.
+#: test needs well under a second; only a busy loop (tasks that stay runnable,
+#: so autojump never fires) gets near this.
 WATCHDOG_S = float(os.environ.get("LEVER_TEST_WATCHDOG_S", "120"))
-_WATCHDOG_SAMPLE_STEPS = 5000   # task steps counted to name the busy tasks
-_WATCHDOG_GRACE_S = 10.0        # real seconds per escalation step
 
 
 class WatchdogTimeout(AssertionError):
@@ -174,20 +171,23 @@ class _Watchdog(trio.abc.Instrument):
     """Fails a MockClock run that is still going after ``seconds`` of real time.
 
     A busy loop keeps tasks runnable, so the autojump clock never advances and
-    no virtual timeout (``fail_after``) can ever fire; only real time can end
-    such a test. Escalation, from a helper thread: (1) count which tasks the
-    loop keeps stepping, report their await stacks and cancel the run; (2) if
-    the loop does not answer (a loop with no checkpoint at all), dump every
-    thread's stack and interrupt the main thread; (3) as a last resort, exit
-    the process, so CI fails instead of hanging.
+    no virtual timeout (``fail_after``) can fire; only real time can end such
+    a run. Escalation, from a helper thread, ``grace_s`` apart: (1) count
+    which tasks the loop keeps stepping, report their await stacks and cancel
+    the run; (2) if the loop does not answer (a loop with no checkpoint), take
+    every thread's stack and interrupt the main thread; (3) as a last resort,
+    exit the process, so CI fails instead of hanging.
     """
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    SAMPLE_STEPS = 5000  # task steps counted to name the busy tasks
+
+    def __init__(self, seconds: float, grace_s: float = 10.0):
+        self.seconds, self.grace_s = seconds, grace_s
         self.scope = trio.CancelScope()
         self.report: str | None = None
         self._done = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
+        self._in_main_thread = threading.current_thread() is threading.main_thread()
         self._steps: collections.Counter = collections.Counter()
         self._n_steps = 0
         self._thread = threading.Thread(target=self._watch, name="mockclock-watchdog", daemon=True)
@@ -201,26 +201,33 @@ class _Watchdog(trio.abc.Instrument):
         if self._thread.is_alive():
             self._thread.join()
 
-    def _watch(self) -> None:
-        if self._done.wait(self.seconds):
-            return
+    def _call_soon(self, fn: Callable[[], None]) -> bool:
         try:
-            self._token.run_sync_soon(self._begin_sample)
+            self._token.run_sync_soon(fn)
         except trio.RunFinishedError:
+            return False
+        return True
+
+    def _watch(self) -> None:
+        if self._done.wait(self.seconds) or not self._call_soon(self._begin_sample):
             return
-        if self._done.wait(_WATCHDOG_GRACE_S):
+        # The sample reports after SAMPLE_STEPS steps; report anyway if steps are rare.
+        if self._done.wait(min(1.0, self.grace_s)) or not self._call_soon(self._fire):
             return
-        self.report = (f"the trio loop did not answer after {self.seconds + _WATCHDOG_GRACE_S:g} s "
-                       f"of real time (a loop with no checkpoint?); stacks of all threads:\n"
-                       + "".join(f"--- thread {ident}\n{''.join(traceback.format_stack(frame))}"
-                                 for ident, frame in sys._current_frames().items()))
-        _thread.interrupt_main()
-        if self._done.wait(_WATCHDOG_GRACE_S):
+        if self._done.wait(self.grace_s):
             return
+        stacks = "".join(f"--- thread {ident}\n{''.join(traceback.format_stack(frame))}"
+                         for ident, frame in sys._current_frames().items())
+        self.report = (f"the trio loop did not answer {self.seconds:g} s + {self.grace_s:g} s "
+                       f"of real time after the run began (a loop without a checkpoint?); "
+                       f"stacks of all threads:\n{stacks}")
+        if self._in_main_thread:
+            _thread.interrupt_main()
+            if self._done.wait(self.grace_s):
+                return
         err = sys.__stderr__
-        err.write(f"\nMockClock watchdog: {self.report}\nthe main thread did not stop; exiting\n")
+        err.write(f"\nMockClock watchdog: {self.report}\nthe run did not stop; exiting\n")
         err.flush()
-        faulthandler.dump_traceback(file=err, all_threads=True)
         os._exit(70)
 
     def _begin_sample(self) -> None:
@@ -229,14 +236,17 @@ class _Watchdog(trio.abc.Instrument):
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         self._steps[task] += 1
         self._n_steps += 1
-        if self._n_steps == _WATCHDOG_SAMPLE_STEPS:
-            self._token.run_sync_soon(self._fire)
+        if self._n_steps == self.SAMPLE_STEPS:
+            self._call_soon(self._fire)
 
     def _fire(self) -> None:
-        trio.lowlevel.remove_instrument(self)
-        lines = [f"the run was still going after {self.seconds:g} s of real time at virtual "
-                 f"time {trio.current_time():.3f}: a busy loop kept MockClock's autojump from "
-                 f"firing. Tasks stepped in the last {self._n_steps} steps:"]
+        if self.report is not None:
+            return
+        with contextlib.suppress(KeyError):
+            trio.lowlevel.remove_instrument(self)
+        lines = [f"the run was still going {self.seconds:g} s of real time after it began, at "
+                 f"virtual time {trio.current_time():.3f}: a busy loop kept MockClock's autojump "
+                 f"from firing. Tasks stepped in {self._n_steps} steps:"]
         for task, n in self._steps.most_common(8):
             stack = "".join(traceback.StackSummary.extract(task.iter_await_frames()).format())
             lines.append(f"--- {n} steps: {task.name}\n{stack}")
@@ -245,16 +255,16 @@ class _Watchdog(trio.abc.Instrument):
 
 
 def run_autojump(async_fn: Callable[..., Awaitable[Any]], *args: Any,
-                 watchdog_s: float | None = None) -> Any:
+                 watchdog_s: float | None = None, grace_s: float = 10.0) -> Any:
     """``trio.run(async_fn, *args)`` on ``MockClock(autojump_threshold=0)``, guarded.
 
     Virtual time: a wedged run (every task blocked) fails with TooSlowError
     after a virtual hour, which costs nothing. Real time: a run that keeps
-    the loop busy, so virtual time never moves, fails with
-    :class:`WatchdogTimeout` after ``watchdog_s`` (default
-    ``$LEVER_TEST_WATCHDOG_S`` or 120) seconds, naming the busy tasks.
+    the loop busy, so that virtual time never moves, fails with
+    :class:`WatchdogTimeout` after ``watchdog_s`` seconds (default
+    ``$LEVER_TEST_WATCHDOG_S`` or 120), naming the busy tasks.
     """
-    watchdog = _Watchdog(WATCHDOG_S if watchdog_s is None else watchdog_s)
+    watchdog = _Watchdog(WATCHDOG_S if watchdog_s is None else watchdog_s, grace_s)
 
     async def guarded() -> Any:
         watchdog.start()
@@ -274,15 +284,21 @@ def run_autojump(async_fn: Callable[..., Awaitable[Any]], *args: Any,
     return result
 
 
-def trio_autojump(fn):
-    """Run an async test in a fresh :func:`run_autojump` (MockClock, watchdog)."""
+def trio_autojump(fn=None, *, watchdog_s: float | None = None):
+    """Run an async test in a fresh :func:`run_autojump` (MockClock, watchdog).
+
+    Use as ``@trio_autojump`` or ``@trio_autojump(watchdog_s=...)``.
+    """
+    if fn is None:
+        return functools.partial(trio_autojump, watchdog_s=watchdog_s)
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return run_autojump(functools.partial(fn, *args, **kwargs))
+        return run_autojump(functools.partial(fn, *args, **kwargs), watchdog_s=watchdog_s)
     return wrapper
 
 
-@asynccontextmanager
+@contextlib.asynccontextmanager
 async def running_daemon(socket_path: Path, backend: FakeBackend | None = None, **config: Any):
     """Run the real daemon in this trio run; yield it; shut it down gracefully."""
     backend = backend or FakeBackend()

@@ -23,6 +23,21 @@ def write(tmp_path, content) -> os.PathLike:
     return path
 
 
+def test_daemon_errors_live_in_errors_and_the_client_re_exports_them():
+    import lever_actors.client as client
+    from lever_actors import errors
+
+    for name in ("DaemonNotRunning", "ConnectionLost", "DaemonAlreadyRunning", "BadStatusFile",
+                 "RemoteError"):
+        assert getattr(client, name) is getattr(errors, name)
+        assert issubclass(getattr(errors, name), errors.LeverError)
+    assert issubclass(errors.ConnectionLost, errors.DaemonNotRunning)
+    error = RemoteError.from_wire({"code": "busy", "message": "later", "retryable": True})
+    assert (error.code, error.message, error.retryable, str(error)) == ("busy", "later", True,
+                                                                        "[busy] later")
+    assert RemoteError.from_wire("junk").code == "internal"
+
+
 def test_a_valid_status_file_of_a_live_daemon_is_accepted(tmp_path):
     assert check_status(write(tmp_path, GOOD)) == GOOD
 

@@ -371,6 +371,83 @@ async def test_half_sent_message_is_closed_after_the_stall_timeout(tmp_path):
         assert reply[3]["status"] == "ok"
 
 
+class StepCounter(trio.abc.Instrument):
+    """Counts task steps: a task that spins instead of blocking shows up as thousands."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps += 1
+
+
+@trio_autojump(watchdog_s=20)
+async def test_eof_in_the_middle_of_a_message_ends_the_connection_at_once(tmp_path):
+    """Regression: a reader that does not stop at end-of-file re-reads b"" forever.
+
+    Each empty read is a checkpoint, so the loop stays runnable, the autojump
+    clock never advances, and no virtual timeout can end it: the test hangs
+    at 100% CPU. Here the reader must end at EOF, at once, in a few steps.
+    """
+    async with running_daemon(tmp_path / "d.sock", stall_timeout_s=5.0) as daemon:
+        conn = await RawConnection.open(tmp_path / "d.sock")
+        await conn.send_bytes(msgpack.packb([0, 1, "health", [{}]])[:3])
+        await trio.testing.wait_all_tasks_blocked()
+        counter = StepCounter()
+        trio.lowlevel.add_instrument(counter)
+        t0 = trio.current_time()
+        await conn.stream.send_eof()
+        assert await conn.receive() is None  # closed; the fragment gets no reply
+        await trio.testing.wait_all_tasks_blocked()
+        trio.lowlevel.remove_instrument(counter)
+        assert trio.current_time() == t0  # at EOF, not at the stall deadline
+        assert daemon.stats()["connections_open"] == 0 and daemon.stats()["internal_errors"] == 0
+        assert counter.steps < 50
+
+
+@trio_autojump
+async def test_client_closing_with_replies_unread_is_a_disconnect_not_a_crash(tmp_path, caplog):
+    """Closing a Unix socket with unread data makes the peer's next read fail with
+    ECONNRESET (trio: BrokenResourceError) instead of returning b"": still a disconnect."""
+    async with running_daemon(tmp_path / "d.sock") as daemon:
+        conn = await RawConnection.open(tmp_path / "d.sock")
+        await conn.send([0, 1, "generate", [{"prompt": "a", "max_tokens": 2000}]])
+        assert (await conn.receive())[:2] == [2, "token"]
+        await trio.sleep(0.1)  # more chunks arrive and stay unread
+        await conn.aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        stats = daemon.stats()
+        assert stats["connections_open"] == 0 and stats["internal_errors"] == 0
+        assert stats["requests"]["cancelled"] == 1 and stats["pool"]["buffers_free"] == 4
+    assert "crashed" not in caplog.text
+
+
+@trio_autojump
+async def test_a_trickled_message_is_refused_at_its_stall_deadline(tmp_path):
+    """The stall deadline is fixed when a message begins; more bytes do not re-arm it."""
+    async with running_daemon(tmp_path / "d.sock", stall_timeout_s=5.0):
+        conn = await RawConnection.open(tmp_path / "d.sock")
+        data = msgpack.packb([0, 1, "health", [{}]])
+        t0 = trio.current_time()
+
+        async def trickle() -> None:
+            for i in range(len(data) - 1):  # a byte every 0.7 s (not at 5.0), never the last
+                try:
+                    await conn.send_bytes(data[i:i + 1])
+                except trio.BrokenResourceError:
+                    return
+                await trio.sleep(0.7)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle)
+            reply = await conn.receive()
+            nursery.cancel_scope.cancel()
+        assert reply[:2] == [1, None] and reply[2]["code"] == "invalid_request"
+        assert "not complete 5.0 s after it began" in reply[2]["message"]
+        assert trio.current_time() - t0 == pytest.approx(5.0)
+        assert await conn.receive() is None
+
+
 @trio_autojump
 async def test_client_that_stops_reading_is_closed_and_does_not_wedge_others(
         tmp_path):
@@ -512,7 +589,7 @@ async def test_stale_socket_from_a_dead_daemon_is_removed_and_logged(tmp_path, c
     pid = dead_pid()
     (tmp_path / "d.json").write_text(json.dumps({"pid": pid, "socket": str(sock), "protocol": [1, 0],
                                                  "version": "0", "started_at": "then"}))
-    with caplog.at_level(logging.WARNING, logger="lever_actors.daemon"):
+    with caplog.at_level(logging.WARNING, logger="lever_actors.daemon_files"):
         async with running_daemon(sock):
             conn = await RawConnection.open(sock)
             _, reply = await conn.request(1, "health")

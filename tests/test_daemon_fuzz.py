@@ -2,7 +2,8 @@
 
 Each example runs a fresh in-process daemon under MockClock (virtual time, so
 stall timeouts cost nothing) and ends by checking that a normal generate still
-succeeds and every buffer is back in the pool.
+succeeds and every buffer is back in the pool. ``run_autojump``'s real-time
+watchdog fails an example that keeps the loop busy instead of letting it hang.
 """
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from pathlib import Path
 
 import msgpack
 import trio
-import trio.testing
-from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
 
 from fake_backend import (FakeBackend, RawConnection, expected_tokens, params, run_autojump,
@@ -22,7 +22,7 @@ from protocols.rpc import METHODS, ErrorCode
 CODES = {c.value for c in ErrorCode} - {"internal"}
 SENTINEL = 4_000_000_000
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # examples: the profile
-EXAMPLE_WATCHDOG_S = 30.0  # real seconds; an example takes milliseconds unless something spins
+EXAMPLE_WATCHDOG_S = 10.0  # real seconds; an example takes milliseconds unless something spins
 
 
 def with_daemon(body, **config) -> None:
@@ -58,6 +58,9 @@ def check_reply(msg) -> None:
 
 @FUZZ
 @given(data=st.binary(max_size=6000), half_close=st.booleans())
+@example(data=msgpack.packb([0, 1, "health", [{}]])[:3], half_close=True)  # EOF mid-message
+@example(data=msgpack.packb([0, 1, "health", [{}]])[:3], half_close=False)  # stall deadline
+@example(data=b"\xc0" * 6000, half_close=True)  # 6000 messages in one read, then EOF
 def test_arbitrary_bytes_never_crash_or_wedge_the_daemon(data, half_close):
     async def body(daemon, sock):
         conn = await RawConnection.open(sock)

@@ -107,3 +107,41 @@ def test_cancelled_generation_stops_within_one_layer(tiny_bundles):
     assert seen["aborted"] == 1
     assert len(seen["npu_after"]) <= 1  # at most the layer that was already running
     assert seen["holding"] == {}
+
+
+def test_layers_run_in_order_and_every_read_is_released_once(tiny_bundles):
+    from dataclasses import replace
+
+    target = tiny_bundles[0]
+    ids = TextTokenizer.from_file(target / "tokenizer.json").encode("def f(x):")
+    cfg = EngineConfig(mode="flash-ar", context=128, dram_budget=1)
+    cfg = replace(cfg, dram_budget=minimum_budget(cfg, target, None))
+    order = []
+
+    def cost(lane, fn, *args):
+        if lane in ("npu", "flash"):
+            order.append((lane, args[0] if lane == "npu" else args[0].stage))
+        return COST[lane]
+
+    lanes = VirtualLanes(cost)
+    seen = {}
+
+    async def main():
+        eos = set(TextTokenizer.from_file(target / "tokenizer.json").eos_ids)
+        async with open_pipeline(cfg, target, None, eos, lanes=lanes) as pipe:
+            async def emit(_):
+                return False
+
+            await pipe.generate(ids, 10, SamplingParams(), emit)
+            seen["reads"], seen["released"] = pipe.prefetcher.reads, pipe.verifier.released
+            seen["lent"], seen["stages"] = len(pipe.prefetcher.lent) - pipe.prefetcher.reading, pipe.verifier.stage_count
+            seen["ring"] = [s.stage for s in pipe.prefetcher.stages]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    npu = [s for lane, s in order if lane == "npu"]
+    passes = [npu[i:i + seen["stages"]] for i in range(0, len(npu), seen["stages"])]
+    assert all(p == list(range(seen["stages"])) for p in passes)  # every pass: 0..L-1 then the head
+    reads = [s for lane, s in order if lane == "flash"]
+    ring = seen["ring"]
+    assert reads == [ring[i % len(ring)] for i in range(len(reads))]  # the ring order, forever
+    assert seen["reads"] == seen["released"] + seen["lent"]  # each read released exactly once, or still lent
