@@ -26,7 +26,10 @@ from typing import Any
 import msgpack
 import trio
 
-from lever_actors.errors import LeverError
+# The daemon's errors live in lever_actors.errors; they are imported here so that
+# `from lever_actors.client import RemoteError` (and the others) keeps working.
+from lever_actors.errors import (BadStatusFile, ConnectionLost, DaemonAlreadyRunning,  # noqa: F401
+                                 DaemonNotRunning, LeverError, RemoteError)
 from protocols import rpc
 
 log = logging.getLogger(__name__)
@@ -36,37 +39,6 @@ STATUS_FIELDS = {"pid": int, "socket": str, "protocol": list, "version": str, "s
 _STREAM_BUFFER = 256          # token chunks buffered per stream before the reader waits
 _MAX_RECEIVE_BYTES = 64 << 20
 _CLOSE_TIMEOUT_S = 5.0
-
-
-class DaemonNotRunning(LeverError):
-    """No daemon answers at the socket (the message says why, e.g. "daemon has died")."""
-
-
-class ConnectionLost(DaemonNotRunning):
-    """The daemon closed the connection, or it broke, while requests were pending."""
-
-
-class DaemonAlreadyRunning(LeverError):
-    """Another daemon already serves this socket (raised by the daemon at start)."""
-
-
-class BadStatusFile(LeverError):
-    """The status file exists but is not valid (the message names the field)."""
-
-
-class RemoteError(LeverError):
-    """An error response from the daemon."""
-
-    def __init__(self, code: str, message: str, retryable: bool = False):
-        super().__init__(f"[{code}] {message}")
-        self.code, self.message, self.retryable = code, message, retryable
-
-    @classmethod
-    def from_wire(cls, error: Any) -> RemoteError:
-        if isinstance(error, dict):
-            return cls(str(error.get("code", "internal")), str(error.get("message", "")),
-                       bool(error.get("retryable", False)))
-        return cls("internal", f"malformed error value from daemon: {error!r:.200}")
 
 
 # --- files: where the daemon lives, and whether it is alive -----------------------

@@ -32,3 +32,35 @@ class BudgetError(LeverError):
 
 class ContextOverflow(LeverError):
     """Prompt plus requested tokens exceed the context the runtime was started with."""
+
+
+class DaemonNotRunning(LeverError):
+    """No daemon answers at the socket (the message says why, e.g. "daemon has died")."""
+
+
+class ConnectionLost(DaemonNotRunning):
+    """The daemon closed the connection, or it broke, while requests were pending."""
+
+
+class DaemonAlreadyRunning(LeverError):
+    """Another daemon already serves this socket (raised by the daemon at start)."""
+
+
+class BadStatusFile(LeverError):
+    """The status file exists but is not valid (the message names the field)."""
+
+
+class RemoteError(LeverError):
+    """An error response from the daemon: its wire ``code``, ``message`` and ``retryable``."""
+
+    def __init__(self, code: str, message: str, retryable: bool = False):
+        super().__init__(f"[{code}] {message}")
+        self.code, self.message, self.retryable = code, message, retryable
+
+    @classmethod
+    def from_wire(cls, error: object) -> RemoteError:
+        """Build one from a response's error map (a malformed one becomes ``internal``)."""
+        if isinstance(error, dict):
+            return cls(str(error.get("code", "internal")), str(error.get("message", "")),
+                       bool(error.get("retryable", False)))
+        return cls("internal", f"malformed error value from daemon: {error!r:.200}")

@@ -40,14 +40,16 @@ assembling and refuses it as soon as that count passes the limit, before
 buffering more: it replies ``frame_too_large`` (msgid nil) and closes the
 connection. Bytes that are not msgpack get ``parse_error`` (msgid nil) and the
 connection is closed, since the stream cannot be resynchronized. A message
-that stays incomplete for ``stall_timeout_s`` (default 30 s) gets
-``invalid_request`` (msgid nil) and the connection is closed; so is a
-connection that reads none of its replies for ``stall_timeout_s``. A
-well-formed msgpack value that is not a valid request gets
-``invalid_request`` (its msgid when one can be read, else nil) and the
-connection stays open. An idle connection is never timed out. At most
-``max_connections`` are served at once; one more gets ``busy`` (msgid nil)
-and is closed. End-of-file from the client counts as a disconnect.
+that is still incomplete ``stall_timeout_s`` (default 30 s) after its first
+bytes arrived gets ``invalid_request`` (msgid nil) and the connection is
+closed, however the bytes trickle in; so is a connection that reads none of
+its replies for ``stall_timeout_s``. A well-formed msgpack value that is not a
+valid request gets ``invalid_request`` (its msgid when one can be read, else
+nil) and the connection stays open. An idle connection is never timed out. At
+most ``max_connections`` are served at once; one more gets ``busy`` (msgid
+nil) and is closed. End-of-file from the client, or a reset (it closed with
+replies unread), counts as a disconnect; a message left incomplete at that
+point gets no reply.
 
 Methods
 =======
