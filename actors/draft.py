@@ -77,7 +77,8 @@ class Drafter:
 
         Every level scores the children (top ``top_k`` when greedy, sampled without
         replacement when sampling) of the frontier and keeps the most probable
-        paths within ``max_nodes``; the kept nodes of the level are fed to the
+        paths, at most ``ceil(max_nodes / max_depth)`` per level and ``max_nodes``
+        in all; the kept nodes of the level are fed to the
         draft model together, which gives the next level's distributions. A chain
         is the case ``top_k == 1``.
         """
@@ -106,7 +107,8 @@ class Drafter:
                     for tok in self._children(p, req.top_k, params, req.step, node):
                         cands.append((base_p * float(p[tok]), node, tok, float(p[tok])))
                 cands.sort(key=lambda c: -c[0])
-                room = req.max_nodes - len(tokens)
+                # a level holds at most max_nodes/max_depth nodes, so the budget buys depth
+                room = min(req.max_nodes - len(tokens), -(-req.max_nodes // req.max_depth))
                 level = []
                 for pp, parent, tok, q in cands[:room]:
                     parents.append(parent)

@@ -150,7 +150,7 @@ def build_layer(dims: Dims, mats: dict[str, MatSpec], accuracy: int) -> bytes:
     Inputs: ``x`` [N, H]; ``past_k``/``past_v`` [KVH, C, D] (the layer's whole
     cache); ``kv_index`` int64 [KVH, N, 2] (head, slot) where the new rows go;
     ``cos``/``sin`` [N, D/2] at each token's position; ``perm`` [N, C] each row's
-    slots, visible ones first in position order; ``inv_perm`` its inverse;
+    slots, visible ones first in position order;
     ``mask`` [N, C] additive, in ``perm`` order (0 for the first visible columns).
     Outputs: ``y`` [N, H], ``k_new``/``v_new`` [KVH, N, D].
     """
@@ -167,7 +167,6 @@ def build_layer(dims: Dims, mats: dict[str, MatSpec], accuracy: int) -> bytes:
         helper.make_tensor_value_info("sin", f, ["N", D // 2]),
         helper.make_tensor_value_info("mask", f, ["N", dims.context]),
         helper.make_tensor_value_info("perm", TensorProto.INT64, ["N", dims.context]),
-        helper.make_tensor_value_info("inv_perm", TensorProto.INT64, ["N", dims.context]),
     ]
     vec = {name: g.external(name, ((H if "norm" in name or name == "attn_q.bias" else kvh * D),), f) for name in LAYER_VECS}
     xn = g.rmsnorm("x", vec["attn_norm"], dims.rms_eps)
@@ -186,20 +185,19 @@ def build_layer(dims: Dims, mats: dict[str, MatSpec], accuracy: int) -> bytes:
     q3 = g.op("Reshape", q4, g.const("q3s", np.array([kvh, -1, D], np.int64)))
     scores = g.op("FusedMatMul", q3, k_all, domain=MS, transB=1, alpha=float(1.0 / np.sqrt(D)))
     s4 = g.op("Reshape", scores, g.const("s4s", np.array([kvh, grp, -1, dims.context], np.int64)))
-    # Softmax sees each row's visible keys first, in position order, then the masked
-    # rest: the same layout an autoregressive step has, so a tree node's softmax is
-    # bit-identical to the one it would get decoded alone. P@V runs in slot order
-    # (zero probabilities add nothing, wherever they sit).
+    # Each row sees its visible keys first, in position order, then the masked rest:
+    # the layout of a plain autoregressive step. The softmax *and* P@V run in that
+    # order (V is gathered per row), so a tree node's attention is bit-identical to
+    # the one it would get decoded alone: GEMMs sum K in blocks, so zeros in other
+    # places would regroup the sum and change the last bit.
     full = g.const("pshape", np.array([kvh, grp, 1, 1], np.int64))
     perm = g.op("Tile", g.op("Unsqueeze", g.op("Unsqueeze", "perm", g.const("ax0", np.array([0], np.int64))),
                              g.const("ax0b", np.array([0], np.int64))), full)
-    inv = g.op("Tile", g.op("Unsqueeze", g.op("Unsqueeze", "inv_perm", g.const("ax0c", np.array([0], np.int64))),
-                            g.const("ax0d", np.array([0], np.int64))), full)
     sp = g.op("Add", g.op("GatherElements", s4, perm, axis=3), "mask")
-    probs = g.op("GatherElements", g.op("Softmax", sp, axis=-1), inv, axis=3)
-    p3 = g.op("Reshape", probs, g.const("p3s", np.array([kvh, -1, dims.context], np.int64)))
-    ctx = g.op("Reshape", g.op("MatMul", p3, v_all), g.const("c4s", np.array([kvh, grp, -1, D], np.int64)))
-    attn = g.op("Reshape", g.op("Transpose", ctx, perm=[2, 0, 1, 3]), g.const("as", np.array([-1, H], np.int64)))
+    probs = g.op("Transpose", g.op("Softmax", sp, axis=-1), perm=[0, 2, 1, 3])  # [KVH, N, G, C]
+    v_rows = g.op("Gather", v_all, "perm", axis=1)  # [KVH, N, C, D], each row's keys in its order
+    ctx = g.op("MatMul", probs, v_rows)  # [KVH, N, G, D]
+    attn = g.op("Reshape", g.op("Transpose", ctx, perm=[1, 0, 2, 3]), g.const("as", np.array([-1, H], np.int64)))
     h = g.op("Add", "x", g.matmul(attn, "attn_output", mats["attn_output"], accuracy))
     hn = g.rmsnorm(h, vec["ffn_norm"], dims.rms_eps)
     gate = g.matmul(hn, "ffn_gate", mats["ffn_gate"], accuracy)

@@ -81,10 +81,7 @@ def attention_layout(context: int, past: int, visible: list[list[int]]) -> dict[
         rest[vis] = False
         perm[r] = np.concatenate([prefix, vis, np.flatnonzero(rest)])
         mask[r, : past + len(vis)] = 0.0
-    inv = np.empty_like(perm)
-    rows = np.arange(n)[:, None]
-    inv[rows, perm] = np.arange(context)[None, :]
-    return {"mask": mask, "perm": perm, "inv_perm": inv}
+    return {"mask": mask, "perm": perm}
 
 
 def causal_layout(context: int, past: int, n: int) -> dict[str, np.ndarray]:

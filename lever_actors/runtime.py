@@ -48,8 +48,9 @@ def _subtree(keep: list[int], drafted, parents, dists, probs):
     return d, p, rows, np.asarray([probs[i - 1] for i in keep[1:]], np.float32)
 
 
-TREE_TOP_K = 3  # children scored per node by flash-tree
-TREE_MAX_DEPTH = 10
+TREE_TOP_K = 3  # children scored per node by the tree modes
+TREE_WIDTH = 4  # nodes per tree level: with this pair's sharp draft, budget is best spent on depth
+TREE_MAX_DEPTH = 16
 CHANNELS = {"ready": 1, "plans": 1, "done": 1, "commits": 1, "stats": 1, "draft_requests": 1, "drafts": 1}
 
 
@@ -144,7 +145,10 @@ class Pipeline:
 
         cfg = self.cfg
         gamma = cfg.gamma if cfg.drafted else 0
-        top_k, max_depth = (1, gamma) if cfg.mode == "flash-chain" else (TREE_TOP_K, min(gamma, TREE_MAX_DEPTH))
+        if cfg.mode == "flash-chain":
+            top_k, max_depth = 1, gamma
+        else:
+            top_k, max_depth = TREE_TOP_K, max(1, min(-(-gamma // TREE_WIDTH), TREE_MAX_DEPTH))
         draft_cap = gamma
         check_context(len(prompt_ids), max_tokens, self.target.context, slack=gamma + 1)
         self.session_id += 1

@@ -88,12 +88,16 @@ def test_logits_do_not_depend_on_batch(tiny_bundles, threads):
         assert np.array_equal(alone, run(batch)), f"batch {batch} changed logits"
 
 
-def test_tree_nodes_get_the_logits_of_their_own_path(tiny_bundles):
-    """A tree pass with interleaved branches gives each node the logits plain decoding of its path gives."""
+@pytest.mark.parametrize("context,n_prompt", [(64, 5), (1024, 252), (1024, 509)])
+def test_tree_nodes_get_the_logits_of_their_own_path(tiny_bundles, context, n_prompt):
+    """A tree pass with interleaved branches gives each node the logits plain decoding of its path gives.
+
+    The long cases put the tree across a 256-slot boundary, where GEMMs split their sums.
+    """
     from lever_actors.model import attention_layout
 
     bundle = load_bundle(tiny_bundles[0])
-    prompt = TOKENS[:5]
+    prompt = (TOKENS * 60)[:n_prompt]
     #        node: 0=root  1     2     3     4     5
     tokens = [prompt[-1], 30, 31, 32, 33, 34]
     parents = [-1, 0, 0, 1, 2, 3]
@@ -106,21 +110,21 @@ def test_tree_nodes_get_the_logits_of_their_own_path(tiny_bundles):
         return out[::-1]
 
     def ar_logits(node_path):
-        m = Transformer(bundle, 64, LaneConfig())
+        m = Transformer(bundle, context, LaneConfig())
         m.prefill(prompt[:-1])
         rows = []
         for n in node_path:
             p = m.kv.length
-            rows.append(m.logits(m.forward_resident([tokens[n]], [p], [p], causal_layout(64, p, 1)))[0])
+            rows.append(m.logits(m.forward_resident([tokens[n]], [p], [p], causal_layout(context, p, 1)))[0])
             m.kv.commit([p])
         return rows
 
-    m = Transformer(bundle, 64, LaneConfig())
+    m = Transformer(bundle, context, LaneConfig())
     m.prefill(prompt[:-1])
     past = m.kv.length
     slots = np.arange(past, past + len(tokens))
     positions = [past + len(path(i)) - 1 for i in range(len(tokens))]
-    layout = attention_layout(64, past, [[past + a for a in path(i)] for i in range(len(tokens))])
+    layout = attention_layout(context, past, [[past + a for a in path(i)] for i in range(len(tokens))])
     tree = m.logits(m.forward_resident(tokens, positions, slots, layout))
     for leaf in (3, 4, 5):
         for node, row in zip(path(leaf), ar_logits(path(leaf))):
