@@ -191,6 +191,10 @@ class NpuVerifier:
             for slot in list(self.holding):  # cancelled mid-pass: every lent slot goes back
                 self._release_held(slot)
         compute_s, wait_s, bytes_read = acc["compute_s"], acc["wait_s"], acc["bytes_read"]
+        if self.streamed:
+            from lever_actors.ortrt import release_freed_memory
+
+            release_freed_memory()  # this pass's sessions are gone; keep RSS at the budget
         logits = np.concatenate(head_parts, axis=-1)  # [rows, V]
         if plan.prefill:
             kv.commit(slots)

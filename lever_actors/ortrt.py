@@ -50,10 +50,32 @@ def session_options(lane: LaneConfig) -> ort.SessionOptions:
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
+    # sessions of streamed layers live for one pass: a per-session arena only holds
+    # memory hostage (and fragments the heap as sessions come and go)
+    so.enable_cpu_mem_arena = False
     # many small sessions, each with its own pool: spinning threads would fight for 2 cores
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.add_session_config_entry("session.inter_op.allow_spinning", "0")
     return so
+
+
+def release_freed_memory() -> None:
+    """Give memory that sessions of finished passes freed back to the OS (glibc keeps it otherwise)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - probe: not glibc -> no trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
 
 
 def make_session(model_bytes: bytes, weights: dict[str, np.ndarray], lane: LaneConfig) -> ort.InferenceSession:
