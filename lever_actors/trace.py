@@ -45,17 +45,33 @@ class Tracer:
             json.dump({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}, f)
         os.replace(tmp, path)
 
-    def busy(self, lane: str) -> float:
-        """Total seconds of spans on ``lane`` (overlapping spans counted once)."""
-        iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in self.events if e["cat"] == lane)
-        total, cur_s, cur_e = 0.0, None, None
+    def _merged(self, lanes, since: float = 0.0) -> list[tuple[float, float]]:
+        iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in self.events if e["cat"] in lanes and e["ts"] >= since)
+        out: list[list[float]] = []
         for s, e in iv:
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    total += cur_e - cur_s
-                cur_s, cur_e = s, e
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], e)
             else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None:
-            total += cur_e - cur_s
-        return total / 1e6
+                out.append([s, e])
+        return [(s, e) for s, e in out]
+
+    def busy(self, lane: str, since_s: float = 0.0) -> float:
+        """Total seconds of spans on ``lane`` (overlapping spans counted once)."""
+        return sum(e - s for s, e in self._merged((lane,), since_s * 1e6)) / 1e6
+
+    def overlap(self, lane: str, others: tuple[str, ...], since_s: float = 0.0) -> float:
+        """Fraction of ``lane``'s busy time during which some lane in ``others`` was busy too."""
+        a, b = self._merged((lane,), since_s * 1e6), self._merged(others, since_s * 1e6)
+        both, j = 0.0, 0
+        for s, e in a:
+            while j < len(b) and b[j][1] <= s:
+                j += 1
+            k = j
+            while k < len(b) and b[k][0] < e:
+                both += min(e, b[k][1]) - max(s, b[k][0])
+                k += 1
+        total = sum(e - s for s, e in a)
+        return both / total if total > 0 else 1.0
+
+    def now_s(self) -> float:
+        return time.perf_counter() - self.t0
