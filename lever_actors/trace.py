@@ -5,6 +5,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 
 LANES = {"flash": 1, "build": 2, "npu": 3, "cpu": 4, "accept": 5, "session": 6}
@@ -13,10 +14,11 @@ LANES = {"flash": 1, "build": 2, "npu": 3, "cpu": 4, "accept": 5, "session": 6}
 class Tracer:
     """Collects complete ('X') events; cheap enough to leave on for a whole run."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, max_events: int = 500_000) -> None:
         self.enabled = enabled
         self.t0 = time.perf_counter()
-        self.events: list[dict] = []
+        # bounded, so a long-running daemon keeps the recent past instead of growing forever
+        self.events: deque[dict] = deque(maxlen=max_events)
         self._lock = threading.Lock()  # spans are recorded from worker threads too
 
     def add(self, name: str, lane: str, start: float, end: float, **args) -> None:
@@ -42,7 +44,7 @@ class Tracer:
                 for lane, tid in LANES.items()]
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}, f)
+            json.dump({"traceEvents": meta + list(self.events), "displayTimeUnit": "ms"}, f)
         os.replace(tmp, path)
 
     def _merged(self, lanes, since: float = 0.0) -> list[tuple[float, float]]:
