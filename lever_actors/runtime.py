@@ -242,6 +242,9 @@ class Pipeline:
         d["overlap"] = self.tracer.overlap("flash", ("build", "npu", "cpu"), t_start)
         d.update(self.verifier_stats())
         d["decode_s"] = time.perf_counter() - t_decode
+        # per *returned* token: a final pass may commit more than max_tokens allows
+        d["n_tokens"] = len(out)
+        d["flash_bytes_per_token"] = stats.flash_bytes / max(len(out), 1)
         return out, finish, d
 
     async def _receive(self, chan, sid: int):
