@@ -60,21 +60,28 @@ class NpuVerifier:
         self.released = 0
         self.received = 0
         self.skipped = 0
-        self.holding: dict[int, object] = {}  # slot -> LayerReady lent to the current pass
+        self.holding: dict[int, object] = {}  # slot -> LayerReady lent to this actor (building or in a pass)
+        self.taken: set[int] = set()  # slots the current pass has taken and not yet released
+        self.built_send, self.built_recv = trio.open_memory_channel(lookahead)
+        self._arrived = trio.Event()
         self.abort_recv = abort_recv
         self.aborted_sessions: set[int] = set()
         self.aborted = 0
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with self.plans_recv, self.done_send, self.ready_recv, self.released_send:
-            task_status.started()
-            async for plan in self.plans_recv:
-                try:
-                    done = await self.verify(plan)
-                except PassAborted:
-                    self.aborted += 1
-                    continue
-                await self.done_send.send(done)
+        async with self.plans_recv, self.done_send, self.ready_recv, self.released_send, self.built_recv:
+            async with trio.open_nursery() as nursery:
+                if self.streamed:
+                    nursery.start_soon(self._build_forever)
+                task_status.started()
+                async for plan in self.plans_recv:
+                    try:
+                        done = await self.verify(plan)
+                    except PassAborted:
+                        self.aborted += 1
+                        continue
+                    await self.done_send.send(done)
+                nursery.cancel_scope.cancel()
 
     def _is_aborted(self, session_id: int) -> bool:
         """Between layers: has the pass's session been aborted?"""
@@ -96,41 +103,43 @@ class NpuVerifier:
         self.tracer.add(f"build {stage}", "build", t0, time.perf_counter())
         return sess
 
-    async def _builder(self, out_send) -> None:
-        """Turn this pass's LayerReady messages into sessions, delivered in stage order.
+    async def _build_forever(self) -> None:
+        """Turn LayerReady messages into sessions, in ring order, across passes.
 
-        Builds of consecutive stages may run at once (as wide as the build lane);
-        a slot stays lent until its stage has computed, so the pool bounds buffers
-        *and* the sessions built from them (what the DRAM budget counts per slot).
+        Sessions do not depend on the plan, so the next pass's first layers are
+        built while this pass finishes and the next tree is drafted. Builds of
+        consecutive stages may run at once (as wide as the build lane); a slot stays
+        lent until its stage has computed, so the pool bounds buffers *and* the
+        sessions built from them (what the DRAM budget counts per slot).
         """
-        done = [trio.Event() for _ in self.streamed]
+        done: dict[int, trio.Event] = {}
         built: dict[int, tuple] = {}
 
-        async def build_one(k: int, stage: int, msg) -> None:
-            built[k] = (stage, await self.lanes.run("build", self._build, stage, msg.slot), msg)
+        async def build_one(k: int, msg) -> None:
+            built[k] = (msg.layer, await self.lanes.run("build", self._build, msg.layer, msg.slot), msg)
             done[k].set()
 
         async def deliver() -> None:
-            async with out_send:
-                for k in range(len(self.streamed)):
-                    await done[k].wait()
-                    await out_send.send(built.pop(k))
+            k = 0
+            while True:
+                while k not in done:
+                    await self._arrived.wait()
+                await done[k].wait()
+                del done[k]
+                await self.built_send.send(built.pop(k))
+                k += 1
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(deliver)
-            for k, stage in enumerate(self.streamed):
-                while True:
-                    msg = await self.ready_recv.receive()
-                    self.received += 1
-                    if msg.layer == stage:
-                        break
-                    if k > 0:
-                        raise RuntimeError(f"flash delivered stage {msg.layer}, verifier needs {stage}")
-                    # a cancelled pass left the ring mid-way: hand back its read-ahead, resync at the start
-                    self._release(msg)
-                    self.skipped += 1
+            k = 0
+            async for msg in self.ready_recv:
+                self.received += 1
                 self.holding[msg.slot] = msg
-                nursery.start_soon(build_one, k, stage, msg)
+                done[k] = trio.Event()
+                self._arrived.set()
+                self._arrived = trio.Event()
+                nursery.start_soon(build_one, k, msg)
+                k += 1
 
     def _release_held(self, slot: int) -> None:
         self._release(self.holding.pop(slot))
@@ -183,12 +192,11 @@ class NpuVerifier:
         x = self.m.embedding.lookup(tokens)
         acc = {"compute_s": 0.0, "wait_s": 0.0, "bytes_read": 0}
         head_parts: list[np.ndarray] = []
-        built_send, built_recv = trio.open_memory_channel(self.lookahead)
         try:
-            await self._stages(built_send, built_recv, x, feeds_list, slots_list, rows, head_parts, acc,
-                               plan.session_id)
+            await self._stages(x, feeds_list, slots_list, rows, head_parts, acc, plan.session_id)
         finally:
-            for slot in list(self.holding):  # cancelled mid-pass: every lent slot goes back
+            for slot in list(self.taken):  # cancelled or aborted mid-pass: its slots go back
+                self.taken.discard(slot)
                 self._release_held(slot)
         compute_s, wait_s, bytes_read = acc["compute_s"], acc["wait_s"], acc["bytes_read"]
         if self.streamed:
@@ -211,37 +219,41 @@ class NpuVerifier:
             temperature=plan.temperature, top_p=plan.top_p, seed=plan.seed,
         )
 
-    async def _stages(self, built_send, built_recv, x, feeds_list, slots_list, rows, head_parts, acc,
-                      session_id: int) -> None:
+    async def _next_session(self, stage: int, first: bool):
+        """The built session of ``stage``; the first stage of a pass skips what an aborted pass left."""
+        while True:
+            got, sess, msg = await self.built_recv.receive()
+            self.taken.add(msg.slot)
+            if got == stage:
+                return sess, msg
+            if not first:
+                raise RuntimeError(f"built stage {got} out of order (expected {stage})")
+            self.taken.discard(msg.slot)  # read-ahead of an abandoned pass: hand it back
+            self._release_held(msg.slot)
+            self.skipped += 1
+
+    async def _stages(self, x, feeds_list, slots_list, rows, head_parts, acc, session_id: int) -> None:
         """Run every stage in order: pinned ones directly, streamed ones as their sessions arrive."""
-        aborted = False
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._builder, built_send)
-            async with built_recv:
-                for stage in range(self.stage_count):
-                    if self._is_aborted(session_id):
-                        aborted = True
-                        nursery.cancel_scope.cancel()  # the builder stops too; held slots go back
-                        break
-                    msg = None
-                    if stage in self.pinned:
-                        sess = self.pinned[stage]
-                    else:
-                        t0 = time.perf_counter()
-                        got, sess, msg = await built_recv.receive()
-                        acc["wait_s"] += time.perf_counter() - t0
-                        acc["bytes_read"] += msg.nbytes
-                        if got != stage:
-                            raise RuntimeError(f"built stage {got} out of order (expected {stage})")
-                    t0 = time.perf_counter()
-                    y = await self.lanes.run("npu", self._run_stage, stage, sess, x, feeds_list, slots_list, rows)
-                    del sess
-                    if msg is not None:
-                        self._release_held(msg.slot)
-                    if stage < self.m.n_layer:
-                        x = y
-                    else:
-                        head_parts.append(y)
-                    acc["compute_s"] += time.perf_counter() - t0
-        if aborted:
-            raise PassAborted(session_id)
+        first_streamed = self.streamed[0] if self.streamed else None
+        for stage in range(self.stage_count):
+            if self._is_aborted(session_id):
+                raise PassAborted(session_id)
+            msg = None
+            if stage in self.pinned:
+                sess = self.pinned[stage]
+            else:
+                t0 = time.perf_counter()
+                sess, msg = await self._next_session(stage, stage == first_streamed)
+                acc["wait_s"] += time.perf_counter() - t0
+                acc["bytes_read"] += msg.nbytes
+            t0 = time.perf_counter()
+            y = await self.lanes.run("npu", self._run_stage, stage, sess, x, feeds_list, slots_list, rows)
+            del sess
+            if msg is not None:
+                self.taken.discard(msg.slot)
+                self._release_held(msg.slot)
+            if stage < self.m.n_layer:
+                x = y
+            else:
+                head_parts.append(y)
+            acc["compute_s"] += time.perf_counter() - t0

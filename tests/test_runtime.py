@@ -40,7 +40,7 @@ async def generate(cfg, target, draft, ids, params=SamplingParams(), **kw):
         async def emit(_):
             return False
         toks, finish, stats = await pipe.generate(ids, TOKENS, params, emit)
-        assert pipe.verifier.holding == {}
+        assert pipe.verifier.taken == set()
         return toks, stats, pipe
 
 
@@ -150,13 +150,13 @@ def test_cancelling_a_generation_frees_buffers_and_the_next_one_is_exact(tiny_bu
                     await pipe.generate(ids, TOKENS, SamplingParams(), emit)
                 toks, _, _ = await pipe.generate(ids, TOKENS, SamplingParams(), emit)
                 seen["toks"] = toks
-                seen["holding"] = dict(pipe.verifier.holding)
+                seen["holding"] = set(pipe.verifier.taken)
                 seen["pool"] = pipe.prefetcher.pool
             seen["closed"] = all(b.closed for b in seen["pool"])
 
     trio.run(main)
     assert seen["toks"] == ar_tokens
-    assert seen["holding"] == {}
+    assert seen["holding"] == set()
     assert seen["closed"]  # closing the pipeline unmaps every stream buffer
 
 
