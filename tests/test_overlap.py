@@ -44,18 +44,23 @@ def minimum_budget(cfg, target, draft):
     raise AssertionError("budget of 1 byte accepted")
 
 
+def flash_ar_at_minimum_budget(tiny_bundles):
+    """(target, prompt ids, flash-ar config) with the smallest budget: every stage streams."""
+    from dataclasses import replace
+
+    target = tiny_bundles[0]
+    ids = TextTokenizer.from_file(target / "tokenizer.json").encode("def f(x):")
+    cfg = EngineConfig(mode="flash-ar", context=128, dram_budget=1)
+    return target, ids, replace(cfg, dram_budget=minimum_budget(cfg, target, None))
+
+
 async def _probe(cfg, target, draft):
     async with open_pipeline(cfg, target, draft, set()):
         pass
 
 
 def test_flash_ar_time_is_the_flash_critical_path_not_the_sum(tiny_bundles):
-    from dataclasses import replace
-
-    target = tiny_bundles[0]
-    ids = TextTokenizer.from_file(target / "tokenizer.json").encode("def f(x):")
-    cfg = EngineConfig(mode="flash-ar", context=128, dram_budget=1)
-    cfg = replace(cfg, dram_budget=minimum_budget(cfg, target, None))
+    target, ids, cfg = flash_ar_at_minimum_budget(tiny_bundles)
     r = run_virtual(cfg, target, None, ids, 12)
     busy, elapsed = r["busy"], r["elapsed"]
     serial = sum(busy.values())
@@ -79,12 +84,7 @@ def test_drafting_overlaps_the_read_ahead_of_the_next_pass(tiny_bundles):
 
 
 def test_cancelled_generation_stops_within_one_layer(tiny_bundles):
-    from dataclasses import replace
-
-    target = tiny_bundles[0]
-    ids = TextTokenizer.from_file(target / "tokenizer.json").encode("def f(x):")
-    cfg = EngineConfig(mode="flash-ar", context=128, dram_budget=1)
-    cfg = replace(cfg, dram_budget=minimum_budget(cfg, target, None))
+    target, ids, cfg = flash_ar_at_minimum_budget(tiny_bundles)
     calls = []
     lanes = VirtualLanes(lambda lane, fn, *a: (calls.append((lane, trio.current_time())), COST[lane])[1])
     seen = {}
@@ -110,12 +110,7 @@ def test_cancelled_generation_stops_within_one_layer(tiny_bundles):
 
 
 def test_layers_run_in_order_and_every_read_is_released_once(tiny_bundles):
-    from dataclasses import replace
-
-    target = tiny_bundles[0]
-    ids = TextTokenizer.from_file(target / "tokenizer.json").encode("def f(x):")
-    cfg = EngineConfig(mode="flash-ar", context=128, dram_budget=1)
-    cfg = replace(cfg, dram_budget=minimum_budget(cfg, target, None))
+    target, ids, cfg = flash_ar_at_minimum_budget(tiny_bundles)
     order = []
 
     def cost(lane, fn, *args):
