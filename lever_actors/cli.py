@@ -185,7 +185,7 @@ def cmd_generate(args) -> int:
     if args.json:
         out = {
             "token_ids": result.token_ids, "text": result.text, "prompt_token_ids": result.prompt_ids,
-            "finish_reason": result.finish_reason, "mode": cfg.mode,
+            "finish_reason": result.finish_reason, "mode": cfg.mode_string(),
             "timings": {"load_s": result.load_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
                         "total_s": time.perf_counter() - t0, "tokens_per_s": result.tokens_per_s},
             "stats": result.stats,
