@@ -193,7 +193,7 @@ def cmd_generate(args) -> int:
         print(json.dumps(out))
     else:
         sys.stdout.write("\n")
-        print(f"[{len(result.token_ids)} tokens, {result.tokens_per_s:.2f} tok/s, {cfg.mode}, "
+        print(f"[{len(result.token_ids)} tokens, {result.tokens_per_s:.2f} tok/s, {cfg.mode_string()}, "
               f"finish: {result.finish_reason}]", file=sys.stderr)
     return 0
 
