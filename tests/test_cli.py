@@ -119,3 +119,19 @@ def test_help_teaches_with_examples(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "examples:" in out and "models fetch" in out and "--dram-budget" in out
+
+
+def test_bench_prompt_sources_refuse_bad_input(tmp_path):
+    from lever_actors.bench import file_prompts, humaneval_prompts
+
+    for bad in ("5:2", "0:999", "x"):
+        with pytest.raises(ConfigError, match="humaneval"):
+            humaneval_prompts(bad)
+    assert [i for i, _ in humaneval_prompts("3:5")] == [3, 4]
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "def f():"}\n{"text": "no prompt key"}\n')
+    with pytest.raises(ConfigError, match=r"p.jsonl:2"):
+        file_prompts(str(f))
+    f.write_text("\n")
+    with pytest.raises(ConfigError, match="no prompts"):
+        file_prompts(str(f))

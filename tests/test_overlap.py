@@ -14,9 +14,8 @@ from lever_actors.tokenizer import TextTokenizer
 COST = {"flash": 0.010, "build": 0.006, "npu": 0.004, "cpu": 0.030}  # seconds per call, virtual
 
 
-def run_virtual(cfg, target, draft, ids, n_tokens):
-    lanes = VirtualLanes(lambda lane, fn, *a: COST[lane])
-    out = {}
+def run_on_virtual_clock(cfg, target, draft, lanes, body) -> None:
+    """Open the pipeline on virtual lanes under MockClock and run ``await body(pipe, emit)``."""
 
     async def main():
         eos = set(TextTokenizer.from_file(target / "tokenizer.json").eos_ids)
@@ -24,15 +23,25 @@ def run_virtual(cfg, target, draft, ids, n_tokens):
             async def emit(_):
                 return False
 
-            await pipe.generate(ids, 4, SamplingParams(), emit)  # warm: fills the read-ahead ring
-            busy0 = dict(lanes.busy)
-            t0 = trio.current_time()
-            toks, _, stats = await pipe.generate(ids, n_tokens, SamplingParams(), emit)
-            out["elapsed"] = trio.current_time() - t0
-            out["busy"] = {k: v - busy0.get(k, 0.0) for k, v in lanes.busy.items()}
-            out["stats"], out["plan"] = stats, pipe.plan
+            await body(pipe, emit)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def run_virtual(cfg, target, draft, ids, n_tokens):
+    lanes = VirtualLanes(lambda lane, fn, *a: COST[lane])
+    out = {}
+
+    async def body(pipe, emit):
+        await pipe.generate(ids, 4, SamplingParams(), emit)  # warm: fills the read-ahead ring
+        busy0 = dict(lanes.busy)
+        t0 = trio.current_time()
+        toks, _, stats = await pipe.generate(ids, n_tokens, SamplingParams(), emit)
+        out["elapsed"] = trio.current_time() - t0
+        out["busy"] = {k: v - busy0.get(k, 0.0) for k, v in lanes.busy.items()}
+        out["stats"], out["plan"] = stats, pipe.plan
+
+    run_on_virtual_clock(cfg, target, draft, lanes, body)
     return out
 
 
@@ -89,21 +98,16 @@ def test_cancelled_generation_stops_within_one_layer(tiny_bundles):
     lanes = VirtualLanes(lambda lane, fn, *a: (calls.append((lane, trio.current_time())), COST[lane])[1])
     seen = {}
 
-    async def main():
-        eos = set(TextTokenizer.from_file(target / "tokenizer.json").eos_ids)
-        async with open_pipeline(cfg, target, None, eos, lanes=lanes) as pipe:
-            async def emit(_):
-                return False
+    async def body(pipe, emit):
+        with trio.move_on_after(0.30):  # virtual: several passes in, mid-pass
+            await pipe.generate(ids, 100, SamplingParams(), emit)
+        cancelled_at = trio.current_time()
+        await trio.sleep(1.0)  # let the verifier notice
+        seen["npu_after"] = [t for lane, t in calls if lane == "npu" and t > cancelled_at]
+        seen["aborted"] = pipe.verifier.aborted
+        seen["holding"] = set(pipe.verifier.taken)
 
-            with trio.move_on_after(0.30):  # virtual: several passes in, mid-pass
-                await pipe.generate(ids, 100, SamplingParams(), emit)
-            cancelled_at = trio.current_time()
-            await trio.sleep(1.0)  # let the verifier notice
-            seen["npu_after"] = [t for lane, t in calls if lane == "npu" and t > cancelled_at]
-            seen["aborted"] = pipe.verifier.aborted
-            seen["holding"] = set(pipe.verifier.taken)
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    run_on_virtual_clock(cfg, target, None, lanes, body)
     assert seen["aborted"] == 1
     assert len(seen["npu_after"]) <= 1  # at most the layer that was already running
     assert seen["holding"] == set()
@@ -121,18 +125,13 @@ def test_layers_run_in_order_and_every_read_is_released_once(tiny_bundles):
     lanes = VirtualLanes(cost)
     seen = {}
 
-    async def main():
-        eos = set(TextTokenizer.from_file(target / "tokenizer.json").eos_ids)
-        async with open_pipeline(cfg, target, None, eos, lanes=lanes) as pipe:
-            async def emit(_):
-                return False
+    async def body(pipe, emit):
+        await pipe.generate(ids, 10, SamplingParams(), emit)
+        seen["reads"], seen["released"] = pipe.prefetcher.reads, pipe.verifier.released
+        seen["lent"], seen["stages"] = len(pipe.prefetcher.lent) - pipe.prefetcher.reading, pipe.verifier.stage_count
+        seen["ring"] = [s.stage for s in pipe.prefetcher.stages]
 
-            await pipe.generate(ids, 10, SamplingParams(), emit)
-            seen["reads"], seen["released"] = pipe.prefetcher.reads, pipe.verifier.released
-            seen["lent"], seen["stages"] = len(pipe.prefetcher.lent) - pipe.prefetcher.reading, pipe.verifier.stage_count
-            seen["ring"] = [s.stage for s in pipe.prefetcher.stages]
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    run_on_virtual_clock(cfg, target, None, lanes, body)
     npu = [s for lane, s in order if lane == "npu"]
     passes = [npu[i:i + seen["stages"]] for i in range(0, len(npu), seen["stages"])]
     assert all(p == list(range(seen["stages"])) for p in passes)  # every pass: 0..L-1 then the head
