@@ -1,0 +1,593 @@
+/* Native block-quantized matmul for streamed target layers.
+ *
+ * Why this exists: stock ONNX Runtime runs int4 fast only on prepacked
+ * initializers, so a streamed layer costs a session build (a prepack) per pass.
+ * These kernels compute straight from the GGUF block bytes as they arrive from
+ * flash: no repack, no copy, and the bytes read equal the GGUF layer bytes.
+ *
+ * Numerics are batch- and thread-invariant by construction: output (i, j) is
+ * computed by the same instruction sequence whatever the number of rows N or the
+ * thread split (threads split the weight rows j, never the reduction), integer
+ * partial sums are exact, and the float combination per 256-block is one piece
+ * of scalar code shared by the SIMD and portable paths. Build with
+ * -ffp-contract=off so no FMA contraction changes the float order behind our back.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LEVER_AVX2 1
+#endif
+#if defined(LEVER_AVX2) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LEVER_AVX512 1
+#endif
+
+enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3 };
+#define QK 256
+
+static float f16_to_f32(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else { /* subnormal: renormalize */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000 | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static size_t row_bytes(int type, int64_t k) {
+    switch (type) {
+    case T_Q4_K: return (size_t)(k / QK) * 144;
+    case T_Q6_K: return (size_t)(k / QK) * 210;
+    case T_Q8_0: return (size_t)(k / 32) * 34;
+    default: return (size_t)k * 4;
+    }
+}
+
+/* The 6-bit scales and mins of the eight 32-element sub-blocks of a Q4_K block. */
+static void q4k_scale_min(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+/* ---------------------------------------------------------------- activations */
+
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t *bsums) {
+    for (int64_t s = 0; s < k / QK; s++) {
+        const float *xs = x + s * QK;
+        float amax = 0.0f;
+        for (int e = 0; e < QK; e++) { float a = fabsf(xs[e]); if (a > amax) amax = a; }
+        int8_t *qs = q + s * QK;
+        if (amax == 0.0f) {
+            memset(qs, 0, QK);
+            d[s] = 0.0f;
+        } else {
+            float iscale = 127.0f / amax;
+            for (int e = 0; e < QK; e++) {
+                float v = nearbyintf(xs[e] * iscale);
+                if (v > 127.0f) v = 127.0f;
+                if (v < -127.0f) v = -127.0f;
+                qs[e] = (int8_t)v;
+            }
+            d[s] = amax / 127.0f;
+        }
+        for (int j = 0; j < QK / 16; j++) {
+            int32_t t = 0;
+            for (int e = 0; e < 16; e++) t += qs[j * 16 + e];
+            bsums[s * (QK / 16) + j] = t;
+        }
+    }
+}
+
+/* ------------------------------------------------- int8 activation dot products
+ * Each returns the exact integer part of one 256-block; the caller combines. */
+
+#ifdef LEVER_AVX2
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
+/* sum_b sc[b] * sum_{e in b} q4[e] * a[e] over one Q4_K block */
+static inline int32_t dot_q4k(const uint8_t *qs, const uint8_t *sc, const int8_t *a) {
+#ifdef LEVER_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i acc = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        __m256i a0 = _mm256_loadu_si256((const __m256i *)(a + 64 * c));
+        __m256i a1 = _mm256_loadu_si256((const __m256i *)(a + 64 * c + 32));
+        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_set1_epi16(sc[2 * c]));
+        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), _mm256_set1_epi16(sc[2 * c + 1]));
+        acc = _mm256_add_epi32(acc, _mm256_add_epi32(p0, p1));
+    }
+    return hsum_i32(acc);
+#else
+    int32_t total = 0;
+    for (int c = 0; c < 4; c++) {
+        int32_t s0 = 0, s1 = 0;
+        for (int l = 0; l < 32; l++) {
+            s0 += (qs[32 * c + l] & 0x0F) * a[64 * c + l];
+            s1 += (qs[32 * c + l] >> 4) * a[64 * c + 32 + l];
+        }
+        total += sc[2 * c] * s0 + sc[2 * c + 1] * s1;
+    }
+    return total;
+#endif
+}
+
+/* sum_j sc[j] * sum_{e in j} q6[e] * a[e] over one Q6_K block (the -32 offset is applied by the caller) */
+static inline int32_t dot_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *a) {
+#ifdef LEVER_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    __m256i acc = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *l = ql + 64 * h;
+        __m256i vl0 = _mm256_loadu_si256((const __m256i *)l), vl1 = _mm256_loadu_si256((const __m256i *)(l + 32));
+        __m256i vh = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(vl0, m4), _mm256_slli_epi16(_mm256_and_si256(vh, m2), 4));
+        q[1] = _mm256_or_si256(_mm256_and_si256(vl1, m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2), m2), 4));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl0, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), m2), 4));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl1, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
+        for (int r = 0; r < 4; r++) {
+            int j = 8 * h + 2 * r;
+            __m256i av = _mm256_loadu_si256((const __m256i *)(a + 128 * h + 32 * r));
+            __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], av), s));
+        }
+    }
+    return hsum_i32(acc);
+#else
+    int32_t total = 0;
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *l = ql + 64 * h, *hh = qh + 32 * h;
+        const int8_t *ah = a + 128 * h;
+        int32_t s[8] = {0};
+        for (int i = 0; i < 32; i++) {
+            int half = i / 16;
+            s[0 + half] += ((l[i] & 0xF) | ((hh[i] & 3) << 4)) * ah[i];
+            s[2 + half] += ((l[32 + i] & 0xF) | (((hh[i] >> 2) & 3) << 4)) * ah[32 + i];
+            s[4 + half] += ((l[i] >> 4) | (((hh[i] >> 4) & 3) << 4)) * ah[64 + i];
+            s[6 + half] += ((l[32 + i] >> 4) | (((hh[i] >> 6) & 3) << 4)) * ah[96 + i];
+        }
+        for (int j = 0; j < 8; j++) total += sc[8 * h + j] * s[j];
+    }
+    return total;
+#endif
+}
+
+/* sum of 32 int8 * int8 */
+static inline int32_t dot_i8(const int8_t *w, const int8_t *a) {
+#ifdef LEVER_AVX2
+    __m256i wv = _mm256_loadu_si256((const __m256i *)w), av = _mm256_loadu_si256((const __m256i *)a);
+    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+    return hsum_i32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#else
+    int32_t s = 0;
+    for (int e = 0; e < 32; e++) s += w[e] * a[e];
+    return s;
+#endif
+}
+
+
+#ifdef LEVER_AVX512
+/* AVX-512 versions of the Q4_K / Q6_K blocks: weights are unpacked once per block
+ * into registers and reused for every activation row. The integer results equal
+ * dot_q4k / dot_q6k exactly, and the float combination is the same expression. */
+static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
+                          const int32_t *bsums, float *acc) {
+    const int64_t nsb = k / QK;
+    float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+    uint8_t sc[8], mn[8];
+    q4k_scale_min(b + 4, sc, mn);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    /* w[c] holds chunk c (64 elements, one 32-byte run of nibbles): its low
+     * nibbles (sub-block 2c) in the lower 256 bits, high nibbles (2c+1) above,
+     * so it lines up with 64 contiguous activations */
+    static const int16_t SUB[4][32] = {
+        {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+        {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+        {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
+        {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
+    static const int32_t PAIRS[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+    uint8_t scmn[16];
+    memcpy(scmn, sc, 8);
+    memcpy(scmn + 8, mn, 8);
+    const __m128i packed = _mm_loadu_si128((const __m128i *)scmn);
+    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(packed));
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    __m512i w[4], scl[4];
+    for (int c = 0; c < 4; c++) {
+        __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c)));
+        w[c] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), m4);
+        scl[c] = _mm512_permutexvar_epi16(_mm512_loadu_si512(SUB[c]), sc16);
+    }
+    /* bsums lane l (16 elements) belongs to sub-block l/2 */
+    const __m512i mnv = _mm512_permutexvar_epi32(_mm512_loadu_si512(PAIRS), _mm512_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
+    for (int64_t i = 0; i < n; i++) {
+        const int8_t *a = q + i * k + s * QK;
+        __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+        t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(w[0], _mm512_loadu_si512(a)), scl[0]);
+        t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[1], _mm512_loadu_si512(a + 64)), scl[1]);
+        t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(w[2], _mm512_loadu_si512(a + 128)), scl[2]);
+        t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[3], _mm512_loadu_si512(a + 192)), scl[3]);
+        int32_t isum = _mm512_reduce_add_epi32(_mm512_add_epi32(t0, t1));
+        __m512i bs = _mm512_loadu_si512(bsums + (i * nsb + s) * 16);
+        int32_t msum = _mm512_reduce_add_epi32(_mm512_mullo_epi32(bs, mnv));
+        acc[i] += d[i * nsb + s] * (dw * (float)isum - dmin * (float)msum);
+    }
+}
+
+static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
+                          const int32_t *bsums, float *acc) {
+    const int64_t nsb = k / QK;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float dw = f16_to_f32(b + 208);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)));
+    __m512i w[4], scl[4];
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *l = b + 64 * h;
+        __m256i vl0 = _mm256_loadu_si256((const __m256i *)l), vl1 = _mm256_loadu_si256((const __m256i *)(l + 32));
+        __m256i vh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        __m256i q0 = _mm256_or_si256(_mm256_and_si256(vl0, m4), _mm256_slli_epi16(_mm256_and_si256(vh, m2), 4));
+        __m256i q1 = _mm256_or_si256(_mm256_and_si256(vl1, m4),
+                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2), m2), 4));
+        __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl0, 4), m4),
+                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), m2), 4));
+        __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl1, 4), m4),
+                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
+        w[2 * h] = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);     /* elements 128h + 0..63 */
+        w[2 * h + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(q2), q3, 1); /* elements 128h + 64..127 */
+        for (int r = 0; r < 2; r++) { /* int16 lane l of w[2h+r] belongs to sub-block 8h + 4r + l/8 */
+            int16_t idx[32];
+            for (int l = 0; l < 32; l++) idx[l] = (int16_t)(8 * h + 4 * r + l / 8);
+            scl[2 * h + r] = _mm512_permutexvar_epi16(_mm512_loadu_si512(idx), sc16);
+        }
+    }
+    const __m512i sc32 = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)), 5); /* 32*sc[j] */
+    for (int64_t i = 0; i < n; i++) {
+        const int8_t *a = q + i * k + s * QK;
+        __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+        t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(w[0], _mm512_loadu_si512(a)), scl[0]);
+        t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[1], _mm512_loadu_si512(a + 64)), scl[1]);
+        t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(w[2], _mm512_loadu_si512(a + 128)), scl[2]);
+        t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[3], _mm512_loadu_si512(a + 192)), scl[3]);
+        __m512i off = _mm512_mullo_epi32(_mm512_loadu_si512(bsums + (i * nsb + s) * 16), sc32);
+        int32_t isum = _mm512_reduce_add_epi32(_mm512_sub_epi32(_mm512_add_epi32(t0, t1), off));
+        acc[i] += d[i * nsb + s] * (dw * (float)isum);
+    }
+}
+#endif
+
+/* One 256-block of weight row `b` against activation rows [0, n): acc[i] += block dot.
+ * The float combination below is the only float arithmetic of the int8 path. */
+static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
+                     const int32_t *bsums, float *acc) {
+    const int64_t nsb = k / QK;
+#ifdef LEVER_AVX512
+    if (type == T_Q4_K) { block_q4k_512(b, s, k, n, q, d, bsums, acc); return; }
+    if (type == T_Q6_K) { block_q6k_512(b, s, k, n, q, d, bsums, acc); return; }
+#endif
+    if (type == T_Q4_K) {
+        float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+        uint8_t sc[8], mn[8];
+        q4k_scale_min(b + 4, sc, mn);
+        for (int64_t i = 0; i < n; i++) {
+            const int32_t *bs = bsums + (i * nsb + s) * 16;
+            int32_t msum = 0;
+            for (int j = 0; j < 8; j++) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+            int32_t isum = dot_q4k(b + 16, sc, q + i * k + s * QK);
+            acc[i] += d[i * nsb + s] * (dw * (float)isum - dmin * (float)msum);
+        }
+    } else if (type == T_Q6_K) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float dw = f16_to_f32(b + 208);
+        for (int64_t i = 0; i < n; i++) {
+            const int32_t *bs = bsums + (i * nsb + s) * 16;
+            int32_t off = 0;
+            for (int j = 0; j < 16; j++) off += sc[j] * bs[j];
+            int32_t isum = dot_q6k(b, b + 128, sc, q + i * k + s * QK) - 32 * off;
+            acc[i] += d[i * nsb + s] * (dw * (float)isum);
+        }
+    } else { /* Q8_0: eight 34-byte blocks per 256 activations */
+        for (int64_t i = 0; i < n; i++) {
+            const int8_t *a = q + i * k + s * QK;
+            float fs = 0.0f;
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *blk = b + 34 * c;
+                fs += f16_to_f32(blk) * (float)dot_i8((const int8_t *)(blk + 2), a + 32 * c);
+            }
+            acc[i] += d[i * nsb + s] * fs;
+        }
+    }
+}
+
+/* ------------------------------------------------------ fp32 activation path */
+
+/* Weights of one 256-block as floats, exactly as GGUF dequantizes them. */
+static void dequant_block(int type, const uint8_t *b, float *w) {
+    if (type == T_Q4_K) {
+        float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+        uint8_t sc[8], mn[8];
+        q4k_scale_min(b + 4, sc, mn);
+        const uint8_t *qs = b + 16;
+        for (int c = 0; c < 4; c++) {
+            float d0 = dw * sc[2 * c], m0 = dmin * mn[2 * c], d1 = dw * sc[2 * c + 1], m1 = dmin * mn[2 * c + 1];
+            for (int l = 0; l < 32; l++) {
+                w[64 * c + l] = d0 * (float)(qs[32 * c + l] & 0xF) - m0;
+                w[64 * c + 32 + l] = d1 * (float)(qs[32 * c + l] >> 4) - m1;
+            }
+        }
+    } else if (type == T_Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float dw = f16_to_f32(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *l = ql + 64 * h, *hh = qh + 32 * h;
+            float *o = w + 128 * h;
+            for (int i = 0; i < 32; i++) {
+                int q1 = (l[i] & 0xF) | ((hh[i] & 3) << 4), q2 = (l[32 + i] & 0xF) | (((hh[i] >> 2) & 3) << 4);
+                int q3 = (l[i] >> 4) | (((hh[i] >> 4) & 3) << 4), q4 = (l[32 + i] >> 4) | (((hh[i] >> 6) & 3) << 4);
+                o[i] = (dw * (float)sc[8 * h + i / 16]) * (float)(q1 - 32);
+                o[32 + i] = (dw * (float)sc[8 * h + 2 + i / 16]) * (float)(q2 - 32);
+                o[64 + i] = (dw * (float)sc[8 * h + 4 + i / 16]) * (float)(q3 - 32);
+                o[96 + i] = (dw * (float)sc[8 * h + 6 + i / 16]) * (float)(q4 - 32);
+            }
+        }
+    } else if (type == T_Q8_0) {
+        for (int c = 0; c < 8; c++) {
+            const uint8_t *blk = b + 34 * c;
+            float dw = f16_to_f32(blk);
+            for (int e = 0; e < 32; e++) w[32 * c + e] = dw * (float)((const int8_t *)(blk + 2))[e];
+        }
+    } else {
+        memcpy(w, b, QK * sizeof(float));
+    }
+}
+
+/* 256-element fp32 dot: eight lane partials (fused multiply-add), combined in a fixed tree. */
+static inline float dot_f32(const float *w, const float *x) {
+#ifdef LEVER_AVX2
+    __m256 p = _mm256_setzero_ps();
+    for (int e = 0; e < QK; e += 8) p = _mm256_fmadd_ps(_mm256_loadu_ps(w + e), _mm256_loadu_ps(x + e), p);
+    float l[8];
+    _mm256_storeu_ps(l, p);
+#else
+    float l[8] = {0};
+    for (int e = 0; e < QK; e += 8)
+        for (int j = 0; j < 8; j++) l[j] = fmaf(w[e + j], x[e + j], l[j]);
+#endif
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+/* ------------------------------------------------------------------- driver */
+
+typedef struct {
+    int type;
+    const uint8_t *w;
+    int64_t k, n, j0, j1;
+    const int8_t *q;
+    const float *d;
+    const int32_t *bsums;
+    const float *x; /* fp32 path when non-NULL */
+    float *out;
+    int64_t out_stride;
+    int failed;
+} Job;
+
+/* Weight rows go in groups of ROW_GROUP so one 256-column slice of all the
+ * activation rows (N x 256 bytes) stays in L1 while every row of the group uses
+ * it; the reduction order of each output is unchanged (blocks s in order). */
+#define ROW_GROUP 16
+
+static void *run_job(void *arg) {
+    Job *jb = (Job *)arg;
+    const size_t rb = row_bytes(jb->type, jb->k);
+    const int64_t nsb = jb->k / QK, n = jb->n > 0 ? jb->n : 1;
+    float *acc = malloc(sizeof(float) * (size_t)(n * ROW_GROUP));
+    float *wf = jb->x ? malloc(sizeof(float) * QK) : NULL;
+    if (!acc || (jb->x && !wf)) { jb->failed = 1; free(acc); free(wf); return NULL; }
+    const size_t block = jb->type == T_Q4_K ? 144 : jb->type == T_Q6_K ? 210 : jb->type == T_Q8_0 ? 272 : QK * 4;
+    for (int64_t j0 = jb->j0; j0 < jb->j1; j0 += ROW_GROUP) {
+        const int64_t rows = jb->j1 - j0 < ROW_GROUP ? jb->j1 - j0 : ROW_GROUP;
+        memset(acc, 0, sizeof(float) * (size_t)(n * rows));
+        for (int64_t s = 0; s < nsb; s++) {
+            for (int64_t r = 0; r < rows; r++) {
+                const uint8_t *b = jb->w + (size_t)(j0 + r) * rb + (size_t)s * block;
+                float *ar = acc + r * n;
+                if (jb->x) {
+                    dequant_block(jb->type, b, wf);
+                    for (int64_t i = 0; i < jb->n; i++) ar[i] += dot_f32(wf, jb->x + i * jb->k + s * QK);
+                } else {
+                    block_q8(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
+                }
+            }
+        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < jb->n; i++) jb->out[i * jb->out_stride + j0 + r] = acc[r * n + i];
+    }
+    free(acc);
+    free(wf);
+    return NULL;
+}
+
+/* Split weight rows [0, m) across `threads` (each row's reduction stays in one thread). */
+static int run_split(Job proto, int64_t m, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > 16) threads = 16;
+    if (m < 64 * threads) threads = 1;
+    Job jobs[16];
+    pthread_t tid[16];
+    int started[16] = {0}, failed = 0;
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = proto;
+        jobs[t].j0 = m * t / threads;
+        jobs[t].j1 = m * (t + 1) / threads;
+    }
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&tid[t], NULL, run_job, &jobs[t]) == 0;
+    run_job(&jobs[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else run_job(&jobs[t]);
+    }
+    for (int t = 0; t < threads; t++) failed |= jobs[t].failed;
+    return failed;
+}
+
+/* ------------------------------------------------------------ Python glue */
+
+static int need(Py_buffer *b, Py_ssize_t bytes, const char *what) {
+    if (b->len < bytes) {
+        PyErr_Format(PyExc_ValueError, "%s: buffer of %zd bytes, need %zd", what, b->len, bytes);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *py_quantize_rows(PyObject *self, PyObject *args) {
+    Py_buffer x, q, d, bs;
+    Py_ssize_t n, k;
+    if (!PyArg_ParseTuple(args, "y*w*w*w*nn", &x, &q, &d, &bs, &n, &k)) return NULL;
+    PyObject *ret = NULL;
+    if (k % QK) { PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, QK); goto done; }
+    if (!need(&x, n * k * 4, "x") || !need(&q, n * k, "q") || !need(&d, n * (k / QK) * 4, "d") ||
+        !need(&bs, n * (k / 16) * 4, "bsums"))
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        quantize_row((const float *)x.buf + i * k, k, (int8_t *)q.buf + i * k, (float *)d.buf + i * (k / QK),
+                     (int32_t *)bs.buf + i * (k / 16));
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&x); PyBuffer_Release(&q); PyBuffer_Release(&d); PyBuffer_Release(&bs);
+    return ret;
+}
+
+/* matmul(type, w, m, k, q, d, bsums, x, n, out, out_stride, threads): x is None for the int8 path */
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    int type, threads;
+    Py_buffer w, q, d, bs, x, out;
+    PyObject *xo;
+    Py_ssize_t m, k, n, stride;
+    if (!PyArg_ParseTuple(args, "iy*nny*y*y*Onw*ni", &type, &w, &m, &k, &q, &d, &bs, &xo, &n, &out, &stride, &threads))
+        return NULL;
+    PyObject *ret = NULL;
+    int have_x = xo != Py_None;
+    if (have_x && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto done0;
+    if (type < T_Q4_K || type > T_F32) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
+    if (k % QK) { PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, QK); goto done; }
+    if (type == T_F32 && !have_x) { PyErr_SetString(PyExc_TypeError, "F32 weights need fp32 activations"); goto done; }
+    if (!need(&w, m * (Py_ssize_t)row_bytes(type, k), "weights") || !need(&out, ((n - 1) * stride + m) * 4, "out"))
+        goto done;
+    if (have_x ? !need(&x, n * k * 4, "x")
+               : (!need(&q, n * k, "q") || !need(&d, n * (k / QK) * 4, "d") || !need(&bs, n * (k / 16) * 4, "bsums")))
+        goto done;
+    Job job = {type, w.buf, k, n, 0, m, q.buf, d.buf, bs.buf, have_x ? x.buf : NULL, out.buf, stride, 0};
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = run_split(job, m, threads);
+    Py_END_ALLOW_THREADS
+    if (failed) { PyErr_NoMemory(); goto done; }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    if (have_x) PyBuffer_Release(&x);
+done0:
+    PyBuffer_Release(&w); PyBuffer_Release(&q); PyBuffer_Release(&d); PyBuffer_Release(&bs); PyBuffer_Release(&out);
+    return ret;
+}
+
+static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
+    Py_buffer x, wt, out;
+    Py_ssize_t n, k;
+    double eps;
+    if (!PyArg_ParseTuple(args, "y*y*w*nnd", &x, &wt, &out, &n, &k, &eps)) return NULL;
+    PyObject *ret = NULL;
+    if (!need(&x, n * k * 4, "x") || !need(&wt, k * 4, "weight") || !need(&out, n * k * 4, "out")) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const float *xi = (const float *)x.buf + i * k;
+        float *o = (float *)out.buf + i * k;
+        double ss = 0.0;
+        for (Py_ssize_t e = 0; e < k; e++) ss += (double)xi[e] * (double)xi[e];
+        float scale = (float)(1.0 / sqrt(ss / (double)k + eps));
+        for (Py_ssize_t e = 0; e < k; e++) o[e] = (xi[e] * scale) * ((const float *)wt.buf)[e];
+    }
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&x); PyBuffer_Release(&wt); PyBuffer_Release(&out);
+    return ret;
+}
+
+static PyObject *py_swiglu(PyObject *self, PyObject *args) {
+    Py_buffer g, u, out;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "y*y*w*n", &g, &u, &out, &count)) return NULL;
+    PyObject *ret = NULL;
+    if (!need(&g, count * 4, "gate") || !need(&u, count * 4, "up") || !need(&out, count * 4, "out")) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    const float *gp = g.buf, *up = u.buf;
+    float *o = out.buf;
+    for (Py_ssize_t e = 0; e < count; e++) {
+        float s = 1.0f / (1.0f + expf(-gp[e]));
+        o[e] = (gp[e] * s) * up[e];
+    }
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&g); PyBuffer_Release(&u); PyBuffer_Release(&out);
+    return ret;
+}
+
+static PyObject *py_simd(PyObject *self, PyObject *args) {
+#if defined(LEVER_AVX512)
+    return PyUnicode_FromString("avx512-vnni");
+#elif defined(LEVER_AVX2)
+    return PyUnicode_FromString("avx2");
+#else
+    return PyUnicode_FromString("portable");
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"quantize_rows", py_quantize_rows, METH_VARARGS, "int8 rows with one scale per 256 and sums per 16"},
+    {"matmul", py_matmul, METH_VARARGS, "y = A @ W^T from GGUF block bytes"},
+    {"rmsnorm", py_rmsnorm, METH_VARARGS, "row-wise RMS norm"},
+    {"swiglu", py_swiglu, METH_VARARGS, "gate * sigmoid(gate) * up"},
+    {"simd", py_simd, METH_NOARGS, "which code path was compiled"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "lever-actors native kernels", -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

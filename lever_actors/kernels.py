@@ -1,0 +1,128 @@
+"""Native matmuls straight from GGUF block bytes (the streamed target's weight path).
+
+A thin checked wrapper over ``lever_actors._kernels`` (csrc/kernels.c). Weights
+are consumed in the bytes the GGUF file stores, so a streamed layer is usable
+the moment its read completes: no session build, no prepack, no copy.
+
+Activations are quantized per row to int8 with one scale per 256 elements
+(:func:`quantize_rows`), so a token's result never depends on the other rows of
+its pass; :func:`matmul` splits the *output* columns across threads, never a
+reduction, so results are also independent of the thread count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+try:
+    from lever_actors import _kernels
+except ImportError as e:  # pragma: no cover - a broken install, not a runtime condition
+    raise ImportError(
+        "lever_actors._kernels is not built; reinstall with `pip install -e .` (needs a C compiler)"
+    ) from e
+
+QK = 256
+TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "F32": 3}
+BLOCK = {"Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "F32": (4, 1)}
+
+
+def simd() -> str:
+    """Which code path was compiled in: ``avx2`` or ``portable``."""
+    return _kernels.simd()
+
+
+class QuantizedRows(NamedTuple):
+    q: np.ndarray  # int8 [N, K]
+    d: np.ndarray  # float32 [N, K/256]
+    bsums: np.ndarray  # int32 [N, K/16]
+
+
+def row_bytes(qtype: str, k: int) -> int:
+    nb, ne = BLOCK[qtype]
+    return k // ne * nb
+
+
+@dataclass(frozen=True)
+class NativeMatrix:
+    """A ``[K, N]`` matrix as GGUF stores it: ``n`` rows of ``k`` elements in block bytes."""
+
+    qtype: str
+    k: int
+    n: int
+    data: np.ndarray  # uint8 [n, row_bytes] (float32 [n, k] for F32)
+
+    def __post_init__(self) -> None:
+        if self.qtype not in TYPES:
+            raise ValueError(f"unsupported native weight type {self.qtype!r}; supported: {', '.join(TYPES)}")
+        if self.k % QK:
+            raise ValueError(f"row length {self.k} is not a multiple of {QK}")
+        dtype, shape = (np.float32, (self.n, self.k)) if self.qtype == "F32" else (np.uint8, (self.n, row_bytes(self.qtype, self.k)))
+        if self.data.dtype != dtype or self.data.shape != shape:
+            raise ValueError(f"{self.qtype} [{self.k}, {self.n}] needs {np.dtype(dtype).name} data of shape {shape}, "
+                             f"got {self.data.dtype} {self.data.shape}")
+        if not self.data.flags.c_contiguous:
+            raise ValueError("weight data must be C-contiguous")
+
+
+def _rows(x: np.ndarray, what: str) -> np.ndarray:
+    x = np.asarray(x)
+    if x.ndim != 2 or x.dtype != np.float32:
+        raise ValueError(f"{what} must be a float32 [N, K] array, got {x.dtype} {x.shape}")
+    return np.ascontiguousarray(x)
+
+
+def quantize_rows(x: np.ndarray) -> QuantizedRows:
+    x = _rows(x, "activations")
+    n, k = x.shape
+    if k % QK:
+        raise ValueError(f"row length {k} is not a multiple of {QK}")
+    out = QuantizedRows(np.empty((n, k), np.int8), np.empty((n, k // QK), np.float32), np.empty((n, k // 16), np.int32))
+    _kernels.quantize_rows(x, out.q, out.d, out.bsums, n, k)
+    return out
+
+
+_EMPTY = np.zeros(1, np.uint8)
+
+
+def matmul(w: NativeMatrix, a: QuantizedRows | np.ndarray, threads: int = 1, out: np.ndarray | None = None) -> np.ndarray:
+    """``a @ W^T`` -> float32 ``[N, w.n]``; ``a`` quantized rows (int8 path) or float32 rows (fp32 path)."""
+    if isinstance(a, QuantizedRows):
+        n, k = a.q.shape
+        for arr, dtype, shape in ((a.q, np.int8, (n, k)), (a.d, np.float32, (n, k // QK)), (a.bsums, np.int32, (n, k // 16))):
+            if arr.dtype != dtype or arr.shape != shape:
+                raise ValueError(f"quantized rows: expected {np.dtype(dtype).name} {shape}, got {arr.dtype} {arr.shape}")
+        args = (a.q, a.d, a.bsums, None)
+    else:
+        x = _rows(a, "activations")
+        n, k = x.shape
+        args = (_EMPTY, _EMPTY, _EMPTY, x)
+    if k != w.k:
+        raise ValueError(f"activations have {k} columns, the matrix expects {w.k}")
+    if out is None:
+        out = np.empty((n, w.n), np.float32)
+    elif out.shape != (n, w.n) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 [{n}, {w.n}] array")
+    if n:
+        _kernels.matmul(TYPES[w.qtype], w.data, w.n, w.k, *args, n, out, w.n, int(threads))
+    return out
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    x = _rows(x, "x")
+    weight = np.ascontiguousarray(weight, np.float32)
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"norm weight has shape {weight.shape}, expected ({x.shape[1]},)")
+    out = np.empty_like(x)
+    _kernels.rmsnorm(x, weight, out, x.shape[0], x.shape[1], float(eps))
+    return out
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
+    if gate.dtype != np.float32 or up.dtype != np.float32 or gate.shape != up.shape:
+        raise ValueError(f"gate and up must be float32 arrays of one shape, got {gate.dtype} {gate.shape}, {up.dtype} {up.shape}")
+    out = np.empty_like(gate)
+    _kernels.swiglu(gate, up, out, gate.size)
+    return out

@@ -1,0 +1,256 @@
+"""The native kernels (`lever_actors.kernels`) against numpy / gguf references.
+
+What is checked, and why:
+- `quantize_rows` is bit-exact with a numpy emulation of its float32 definition
+  (all-zero blocks, negative maxima and exact .5 ties, which must round half to even),
+  because every int8 matmul result depends on these exact q, d and bsums.
+- `matmul` on Q4_K / Q6_K / Q8_0 (and F32) weights, on both the int8 path (QuantizedRows)
+  and the float path, equals a float64 product with weights dequantized by gguf's own
+  `dequantize`, so the kernel's block decoding is checked against an independent decoder.
+  Output-row counts that are not multiples of 8/16 exercise the kernel's tail handling.
+- Batch and thread invariance are BITWISE: a row's result must not depend on which other
+  rows share the call, how many there are, or how many threads run it. Speculative
+  decoding verifies trees in batches and must reproduce single-token decoding exactly.
+- `rmsnorm` / `swiglu` accuracy (1e-6 relative of float64) and position/batch invariance.
+- Bad shapes, dtypes and sizes raise ValueError with a message, instead of reading out of
+  bounds or silently reinterpreting bytes (a matching byte count alone is not enough).
+"""
+import functools
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lever_actors import kernels as K
+
+BLOCK = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34)}  # elements, bytes per block
+QTYPES = list(BLOCK)
+F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,)}  # byte offsets of f16 scales
+
+
+def bits(a) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    assert a.dtype == np.float32
+    return a.view(np.uint32)
+
+
+def assert_bitwise(a, b):
+    np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def max_rel_err(y, ref) -> float:
+    return float(np.abs(np.asarray(y, np.float64) - ref).max() / np.abs(ref).max())
+
+
+@functools.lru_cache(maxsize=None)
+def weight(qtype: str, k: int, n: int, seed: int = 0):
+    """(NativeMatrix, gguf-dequantized float32 [n, k]) of random valid GGUF blocks."""
+    rng = np.random.default_rng([seed, k, n, len(qtype), ord(qtype[1])])
+    if qtype == "F32":
+        w = rng.standard_normal((n, k)).astype(np.float32) * np.float32(0.05)
+        return K.NativeMatrix("F32", k, n, w), w
+    elems, nbytes = BLOCK[qtype]
+    blocks = rng.integers(0, 256, (n, k // elems, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        scale = rng.uniform(1e-3, 2e-2, blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, off:off + 2] = scale[..., None].view(np.uint8)
+    data = blocks.reshape(n, -1)
+    w = dequantize(data, getattr(QT, qtype))
+    assert w.shape == (n, k) and np.isfinite(w).all()
+    return K.NativeMatrix(qtype, k, n, data), w
+
+
+def activations(rows: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, rows, k])
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    return x * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)  # per-row magnitudes differ
+
+
+def quantize_reference(x: np.ndarray):
+    """The spec's definition of quantize_rows, in float32 numpy."""
+    n, k = x.shape
+    xb = x.reshape(n, k // 256, 256)
+    amax = np.abs(xb).max(-1)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * iscale[..., None]), -127, 127).astype(np.int8).reshape(n, k)
+    d = (amax / np.float32(127)).astype(np.float32)
+    bsums = q.reshape(n, k // 16, 16).sum(-1, dtype=np.int32)
+    return q, d, bsums
+
+
+# ---- quantize_rows -------------------------------------------------------------------
+
+def test_quantize_rows_matches_definition_exactly():
+    x = activations(5, 1536, seed=1)
+    x[1, 256:512] = 0.0                                   # all-zero block
+    x[2, :256] = -np.abs(x[2, :256])                      # amax from a negative element
+    ties = np.arange(-127, 127, dtype=np.float32) + np.float32(0.5)  # k + 0.5 exactly
+    x[3, :254] = ties                                     # amax 127 -> iscale exactly 1
+    x[3, 254:256] = (127.0, -127.0)
+    x[3, 256:512] = np.resize(np.arange(-253, 254, 2, dtype=np.float32), 256)  # odd ints
+    x[3, 511] = 254.0                                     # amax 254 -> iscale 0.5: .5 ties
+    x[4, 768:1024] *= np.float32(1e-30)                   # tiny but nonzero scale
+    got = K.quantize_rows(x)
+    q, d, bsums = quantize_reference(x)
+    assert got.q.dtype == np.int8 and got.d.dtype == np.float32 and got.bsums.dtype == np.int32
+    np.testing.assert_array_equal(got.q, q)
+    assert_bitwise(got.d, d)
+    np.testing.assert_array_equal(got.bsums, bsums)
+    assert (got.q[1, 256:512] == 0).all() and got.d[1, 1] == 0
+    assert list(got.q[3, :6]) == [-126, -126, -124, -124, -122, -122]  # half to even
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 9), blocks=st.integers(1, 6), seed=st.integers(0, 2**32 - 1))
+def test_quantize_rows_random(rows, blocks, seed):
+    x = activations(rows, 256 * blocks, seed)
+    got, ref = K.quantize_rows(x), quantize_reference(x)
+    np.testing.assert_array_equal(got.q, ref[0])
+    assert_bitwise(got.d, ref[1])
+    np.testing.assert_array_equal(got.bsums, ref[2])
+
+
+# ---- matmul accuracy -----------------------------------------------------------------
+
+SHAPES = [(1, 37), (3, 40), (17, 16), (64, 37)]  # (activation rows N, output rows n)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("k", [256, 512, 1536])
+@pytest.mark.parametrize("rows,n", SHAPES)
+def test_matmul_int8_path(qtype, k, rows, n):
+    w, wdq = weight(qtype, k, n)
+    qa = K.quantize_rows(activations(rows, k, seed=k + n))
+    a = qa.q.astype(np.float64) * np.repeat(qa.d.astype(np.float64), 256, axis=1)
+    y = K.matmul(w, qa)
+    assert y.dtype == np.float32 and y.shape == (rows, n)
+    assert max_rel_err(y, a @ wdq.astype(np.float64).T) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", QTYPES + ["F32"])
+@pytest.mark.parametrize("k", [256, 512, 1536])
+@pytest.mark.parametrize("rows,n", SHAPES)
+def test_matmul_float_path(qtype, k, rows, n):
+    w, wdq = weight(qtype, k, n)
+    a = activations(rows, k, seed=k * n)
+    y = K.matmul(w, a)
+    assert y.dtype == np.float32 and y.shape == (rows, n)
+    assert max_rel_err(y, a.astype(np.float64) @ wdq.astype(np.float64).T) < 1e-5
+
+
+# ---- batch and thread invariance (bitwise) -------------------------------------------
+
+@pytest.mark.parametrize("qtype", QTYPES + ["F32"])
+@settings(max_examples=6, deadline=None)
+@given(rows=st.integers(1, 33), seed=st.integers(0, 2**32 - 1), threads=st.sampled_from([2, 3, 4]),
+       cut=st.integers(0, 32))
+def test_matmul_batch_and_thread_invariant(qtype, rows, seed, threads, cut):
+    w, _ = weight(qtype, 768, 301)  # enough output rows to split over 4 threads
+    x = activations(rows, 768, seed)
+    lo = min(cut, rows - 1)
+    paths = [lambda v: v] if qtype == "F32" else [lambda v: v, K.quantize_rows]
+    for prep in paths:
+        full = K.matmul(w, prep(x), threads=1)
+        assert_bitwise(K.matmul(w, prep(x), threads=threads), full)
+        assert_bitwise(K.matmul(w, prep(x[lo:]), threads=threads), full[lo:])
+        for i in range(rows):
+            assert_bitwise(K.matmul(w, prep(x[i:i + 1]))[0], full[i])
+
+
+# ---- rmsnorm and swiglu --------------------------------------------------------------
+
+def rmsnorm_reference(x, w, eps):
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps) * w.astype(np.float64)
+
+
+@pytest.mark.parametrize("rows,k,eps", [(1, 64, 1e-6), (5, 896, 1e-5), (3, 2048, 1e-6)])
+def test_rmsnorm_accurate_and_batch_invariant(rows, k, eps):
+    x = activations(rows, k, seed=k)
+    x[-1] = 0.0                                           # zero row -> zeros, not NaN
+    w = np.random.default_rng(k).uniform(-2, 2, k).astype(np.float32)
+    y = K.rmsnorm(x, w, eps)
+    assert y.dtype == np.float32 and y.shape == x.shape
+    ref = rmsnorm_reference(x, w, eps)
+    assert (np.abs(y - ref) <= 1e-6 * np.abs(ref)).all()
+    for i in range(rows):
+        assert_bitwise(K.rmsnorm(x[i:i + 1], w, eps)[0], y[i])
+
+
+def swiglu_reference(g, u):
+    g64 = g.astype(np.float64)
+    return g64 / (1 + np.exp(-g64)) * u.astype(np.float64)
+
+
+def test_swiglu_accurate():
+    rng = np.random.default_rng(7)
+    g = rng.uniform(-20, 20, (7, 300)).astype(np.float32)
+    u = rng.standard_normal((7, 300)).astype(np.float32)
+    y = K.swiglu(g, u)
+    assert y.dtype == np.float32 and y.shape == g.shape
+    ref = swiglu_reference(g, u)
+    assert (np.abs(y - ref) <= 1e-6 * np.abs(ref)).all()
+    extreme = np.array([-100, -90, -50, 0, 50, 90, 100], np.float32)
+    y = K.swiglu(extreme, np.ones_like(extreme))
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y, swiglu_reference(extreme, np.ones_like(extreme)),
+                               rtol=1e-6, atol=1e-30)
+
+
+def test_swiglu_position_invariant():
+    rng = np.random.default_rng(8)
+    g = rng.uniform(-8, 8, (7, 300)).astype(np.float32)
+    u = rng.standard_normal((7, 300)).astype(np.float32)
+    full = K.swiglu(g, u).ravel()
+    gf, uf = g.ravel(), u.ravel()
+    assert_bitwise(K.swiglu(gf, uf), full)
+    assert_bitwise(K.swiglu(g.reshape(300, 7), u.reshape(300, 7)).ravel(), full)
+    for start in range(9):
+        for length in (1, 3, 7, 8, 15, 16, 17, 33):
+            s = slice(start, start + length)
+            assert_bitwise(K.swiglu(gf[s], uf[s]), full[s])
+
+
+# ---- errors --------------------------------------------------------------------------
+
+def raises_value_error(fn, *args, **kw):
+    with pytest.raises(ValueError) as info:
+        fn(*args, **kw)
+    assert str(info.value)
+
+
+def test_bad_inputs_raise_value_error():
+    raises_value_error(K.quantize_rows, np.ones((2, 300), np.float32))
+    raises_value_error(K.quantize_rows, np.ones((2, 128), np.float32))
+    raises_value_error(K.NativeMatrix, "Q4_K", 512, 4, np.zeros((4, 287), np.uint8))
+    raises_value_error(K.NativeMatrix, "Q4_K", 512, 4, np.zeros((3, 288), np.uint8))
+    raises_value_error(K.NativeMatrix, "Q4_K", 384, 4, np.zeros((4, 216), np.uint8))
+    raises_value_error(K.NativeMatrix, "Q6_K", 512, 4, np.zeros((4, 421), np.uint8))
+    raises_value_error(K.NativeMatrix, "Q8_0", 512, 4, np.zeros((4, 16 * 34 + 1), np.uint8))
+    raises_value_error(K.NativeMatrix, "F32", 512, 4, np.zeros((4, 511), np.float32))
+    for qtype in QTYPES:
+        w, _ = weight(qtype, 512, 37)
+        raises_value_error(K.matmul, w, np.ones((2, 768), np.float32))
+        raises_value_error(K.matmul, w, np.ones((2, 256), np.float32))
+        raises_value_error(K.matmul, w, K.quantize_rows(np.ones((2, 1024), np.float32)))
+    x = np.ones((2, 64), np.float32)
+    raises_value_error(K.rmsnorm, x, np.ones(63, np.float32), 1e-6)
+    raises_value_error(K.swiglu, x, np.ones((2, 65), np.float32))
+
+
+BAD_BUT_RIGHT_SIZE = {  # spec: data is uint8 [n, row_bytes] (float32 [n, k] for F32); bytes alone are not enough
+    "Q4_K float32 data": lambda: K.NativeMatrix("Q4_K", 512, 4, np.zeros((4, 72), np.float32)),
+    "Q4_K [2, 576] for n=4": lambda: K.NativeMatrix("Q4_K", 512, 4, np.zeros((2, 576), np.uint8)),
+    "F32 uint8 data": lambda: K.NativeMatrix("F32", 256, 2, np.zeros((2, 1024), np.uint8)),
+    "int16 q": lambda: K.matmul(weight("Q8_0", 512, 37)[0], K.quantize_rows(np.ones((2, 512), np.float32))
+                                ._replace(q=np.ones((2, 512), np.int16))),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BUT_RIGHT_SIZE)
+def test_wrong_dtype_or_shape_with_right_byte_count_raises(case):
+    raises_value_error(BAD_BUT_RIGHT_SIZE[case])
