@@ -32,9 +32,9 @@ class NpuVerifier:
     Outputs: ``done_send`` (VerifyDone), ``released_send`` (LayerReleased; sized to
     the pool so ``send_nowait`` never fails).
     Invariants: layers run in order 0..L-1 then the head; every streamed buffer is
-    released exactly once, right after its session is built (ORT copies the
-    weights, so the buffer is free as soon as the session exists); the KV cache
-    keeps the committed prefix in slots ``0..length-1``.
+    released exactly once, after its stage has computed (a native layer computes
+    from the buffer itself); the KV cache keeps the committed prefix in slots
+    ``0..length-1``.
     Backpressure: a streamed stage waits for its LayerReady; at most
     ``lookahead`` built sessions wait for the compute lane.
     Cancellation: threads finish their call; buffers already lent are returned
@@ -151,7 +151,7 @@ class NpuVerifier:
     def _run_stage(self, stage: int, sess, x: np.ndarray, feeds_list, slots_list, rows) -> np.ndarray:
         t0 = time.perf_counter()
         if stage >= self.m.n_layer:
-            out = sess.run(None, {"h": np.ascontiguousarray(x[rows], np.float32)})[0]
+            out = self.m.head_logits(sess, x[rows])
         else:
             parts = []
             for (lo, hi), feeds, slots in zip(self._chunks, feeds_list, slots_list):
@@ -199,7 +199,7 @@ class NpuVerifier:
                 self.taken.discard(slot)
                 self._release_held(slot)
         compute_s, wait_s, bytes_read = acc["compute_s"], acc["wait_s"], acc["bytes_read"]
-        if self.streamed:
+        if self.streamed and not self.m.native:
             from lever_actors.ortrt import release_freed_memory
 
             release_freed_memory()  # this pass's sessions are gone; keep RSS at the budget

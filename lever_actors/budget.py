@@ -3,8 +3,9 @@
 Pure functions, no I/O. Every large allocation is a line item: draft weights,
 KV caches, the LM head, pinned target layers, stream slots and activations. A
 stream *slot* holds one layer from the moment its read starts until its compute
-ends: the read buffer (flash bytes) plus the ORT session built from it (the
-prepacked copy), so ``slot_bytes = layer_bytes * (1 + PREPACK_FACTOR)``.
+ends. A native-layout target computes from the read buffer itself, so a slot is
+the layer's bytes and a pinned layer costs its bytes. An ORT-layout model keeps
+a prepacked copy per session: pinned ``layer_bytes * PREPACK_FACTOR``.
 """
 from __future__ import annotations
 
@@ -27,23 +28,28 @@ class BudgetPlan:
     n_slots: int
     slot_bytes: int
     layer_bytes: tuple[int, ...] = field(default=())
+    weight_factor: float = 1.0  # DRAM per byte of a pinned layer
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(int(self.layer_bytes[i] * self.weight_factor) for i in self.pinned)
 
     @property
     def total(self) -> int:
-        pinned = sum(int(self.layer_bytes[i] * PREPACK_FACTOR) for i in self.pinned)
+        pinned = self.pinned_bytes
         return sum(self.items.values()) + pinned + self.n_slots * self.slot_bytes
 
     def describe(self) -> str:
         mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
         parts = [f"{k} {mib(v)}" for k, v in self.items.items()]
-        parts.append(f"{len(self.pinned)} pinned layers {mib(sum(int(self.layer_bytes[i] * PREPACK_FACTOR) for i in self.pinned))}")
+        parts.append(f"{len(self.pinned)} pinned layers {mib(self.pinned_bytes)}")
         parts.append(f"{self.n_slots} stream slots x {mib(self.slot_bytes)}")
         cap = "unlimited" if self.budget is None else mib(self.budget)
         return f"DRAM {mib(self.total)} of {cap}: " + ", ".join(parts)
 
 
 def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int], head_chunk_bytes: list[int],
-                max_slots: int = 4) -> BudgetPlan:
+                max_slots: int = 4, in_place: bool = True) -> BudgetPlan:
     """Pin as many target layers as fit (earliest first), stream the rest.
 
     ``items`` are fixed costs that must be resident (draft, KV caches, activations).
@@ -54,11 +60,12 @@ def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int
     from lever_actors.errors import BudgetError
 
     n = len(layer_bytes)
-    head_cost = int(sum(head_chunk_bytes) * PREPACK_FACTOR)
+    factor = 1.0 if in_place else PREPACK_FACTOR  # in_place: layers compute from their own buffer (native layout)
+    head_cost = int(sum(head_chunk_bytes) * factor)
     if budget is None:
-        return BudgetPlan(None, dict(items, lm_head=head_cost), tuple(range(n)), (), False, 0, 0, tuple(layer_bytes))
+        return BudgetPlan(None, dict(items, lm_head=head_cost), tuple(range(n)), (), False, 0, 0, tuple(layer_bytes), factor)
     biggest = max(list(layer_bytes) + list(head_chunk_bytes), default=0)
-    slot = int(biggest * (1 + PREPACK_FACTOR))
+    slot = int(biggest * (1.0 if in_place else 1 + PREPACK_FACTOR))
     for head_streamed in (False, True):
         line = dict(items) if head_streamed else dict(items, lm_head=head_cost)
         spare = budget - sum(line.values()) - MIN_SLOTS * slot
@@ -66,17 +73,17 @@ def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int
             continue
         pinned: list[int] = []
         for i in range(n):
-            cost = int(layer_bytes[i] * PREPACK_FACTOR)
+            cost = int(layer_bytes[i] * factor)
             if cost > spare:
                 break
             pinned.append(i)
             spare -= cost
         streamed = tuple(i for i in range(n) if i not in pinned)
         if not streamed and not head_streamed:
-            return BudgetPlan(budget, line, tuple(pinned), (), False, 0, 0, tuple(layer_bytes))
+            return BudgetPlan(budget, line, tuple(pinned), (), False, 0, 0, tuple(layer_bytes), factor)
         extra = min(max_slots - MIN_SLOTS, spare // slot)
         return BudgetPlan(budget, line, tuple(pinned), streamed, head_streamed, MIN_SLOTS + extra, slot,
-                          tuple(layer_bytes))
+                          tuple(layer_bytes), factor)
     need = sum(items.values()) + MIN_SLOTS * slot
     mib = lambda v: f"{v / 2**20:,.0f} MiB"  # noqa: E731
     detail = ", ".join(f"{k} {mib(v)}" for k, v in items.items())

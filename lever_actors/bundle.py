@@ -8,7 +8,10 @@ Layout of a bundle directory::
                      aligned: pinned in DRAM, or streamed like layers when the budget is small
     flash.bin        embedding rows (GGUF-native blocks, read a row at a time), then one
                      region per decoder layer, 4 KiB aligned, holding the layer's arrays
-                     in exactly the layout the layer graph binds (no repacking per pass)
+                     in exactly the layout the computation consumes (no repacking per pass)
+
+The manifest's ``layout`` says which computation: ``native`` (GGUF block bytes
+for lever_actors.kernels; what streams) or ``ort`` (MatMulNBits initializers).
 
 A bundle is only valid once ``manifest.json`` exists: conversion writes into a
 temporary directory and renames it at the end.
@@ -27,7 +30,7 @@ from lever_actors.errors import ModelError
 from lever_actors.graphs import Dims, MatSpec
 
 FORMAT = "lever-bundle"
-FORMAT_VERSION = 2  # 2: LM head stored in vocabulary slices ("head_chunks")
+FORMAT_VERSION = 3  # 2: LM head in vocabulary slices ("head_chunks"); 3: "layout" (native | ort)
 ALIGN = 4096  # flash regions: O_DIRECT needs page-aligned offsets and lengths
 ARRAY_ALIGN = 64  # arrays inside a region: cache-line aligned views
 
@@ -164,6 +167,10 @@ class Bundle:
 
     def head_bytes(self) -> int:
         return sum(r.nbytes for r in self.head_chunks)
+
+    @property
+    def layout(self) -> str:
+        return self.manifest["layout"]
 
     @property
     def embedding(self) -> dict:

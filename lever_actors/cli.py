@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert a GGUF file (llama or qwen2) into a bundle directory")
     c.add_argument("gguf", metavar="GGUF")
     c.add_argument("out", metavar="OUT")
+    c.add_argument("--layout", choices=("auto", "native", "ort"), default="auto",
+                   help="native: GGUF block bytes computed by lever-actors' own kernels (streams from flash); "
+                        "ort: ONNX Runtime MatMulNBits initializers (resident only; any row length); "
+                        "auto (default): native when every row length is a multiple of 256")
 
     g = sub.add_parser("generate", help="generate a completion", formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Complete PROMPT (raw text by default; --chat wraps it in the instruct template).")
@@ -157,7 +161,7 @@ def cmd_models(args) -> int:
 def cmd_convert(args) -> int:
     from lever_actors.convert import convert
 
-    convert(args.gguf, args.out)
+    convert(args.gguf, args.out, layout=args.layout)
     return 0
 
 

@@ -2,7 +2,14 @@
 
 Supports the llama and qwen2 architectures and the tensor types listed in
 :mod:`lever_actors.quant`. Anything else is a clear :class:`UnsupportedModel`
-naming it. The bundle is written into ``OUT.partial-<pid>`` and renamed to ``OUT``
+naming it.
+
+Two layer layouts (``--layout``): ``native`` keeps the GGUF block bytes that
+:mod:`lever_actors.kernels` computes from directly (the streamed target: flash
+bytes equal the GGUF bytes and a layer is usable the moment it is read), ``ort``
+maps blocks onto MatMulNBits initializers (resident models whose row lengths
+are not multiples of 256, like the 0.5B draft's 896). ``auto`` picks native
+whenever every matrix allows it. The bundle is written into ``OUT.partial-<pid>`` and renamed to ``OUT``
 only when complete, so a killed conversion never leaves a bundle that loads.
 """
 from __future__ import annotations
@@ -22,7 +29,7 @@ from gguf import GGUFReader
 
 from lever_actors.bundle import FORMAT, FORMAT_VERSION, RegionWriter
 from lever_actors.errors import ModelError, UnsupportedModel
-from lever_actors.quant import BLOCK_LAYOUT, SUPPORTED_TYPES, map_weight, tensor_nbytes
+from lever_actors.quant import BLOCK_LAYOUT, NATIVE_ROW, SUPPORTED_TYPES, map_weight, native_weight, tensor_nbytes
 
 ARCHITECTURES = ("qwen2", "llama")
 ROPE_STYLE = {"qwen2": "neox", "llama": "norm"}
@@ -94,6 +101,27 @@ class _Tensors:
         k, n = int(t.shape[0]), int(t.shape[1])
         return map_weight(self.raw(name), t.tensor_type, k, n)
 
+    def native(self, name: str) -> tuple[str, np.ndarray]:
+        t = self.get(name)
+        return native_weight(self.raw(name), t.tensor_type, int(t.shape[0]), int(t.shape[1]))
+
+    def native_capable(self) -> bool:
+        """Can every matrix take the native layout (row length a multiple of 256)?"""
+        return all(int(t.shape[0]) % NATIVE_ROW == 0 for n, t in self.by_name.items()
+                   if len(t.shape) == 2 and n != "token_embd.weight")
+
+
+def _write_native_head(out: RegionWriter, qtype: str, data: np.ndarray, k: int, norm: np.ndarray, layer_bytes: int) -> list:
+    """Native-layout LM head in vocabulary slices (see :func:`_write_head`)."""
+    n = data.shape[0]
+    rows = max(256, (layer_bytes // max(data.nbytes // n, 1)) // 256 * 256)
+    regions = []
+    for lo in range(0, n, rows):
+        hi = min(lo + rows, n)
+        mats = {"output": {"kind": "native", "qtype": qtype, "k": k, "n": hi - lo}}
+        regions.append(out.write({"output_norm": norm, "output.data": data[lo:hi]}, mats))
+    return regions
+
 
 def _write_head(out: RegionWriter, w, norm: np.ndarray, layer_bytes: int) -> list:
     """The LM head in vocabulary slices about one layer in size, each with its own final norm.
@@ -130,12 +158,18 @@ def vocab_digest(spec: dict) -> str:
 MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def _layer_arrays(ts: _Tensors, i: int, dims: dict) -> tuple[dict, dict]:
+def _layer_arrays(ts: _Tensors, i: int, dims: dict, layout: str) -> tuple[dict, dict]:
     p = f"blk.{i}."
     arrays: dict[str, np.ndarray] = {}
     mats: dict[str, dict] = {}
     kv = dims["n_kv_head"] * dims["head_dim"]
     for m in MATS:
+        if layout == "native":
+            t = ts.get(p + m + ".weight")
+            qtype, data = ts.native(p + m + ".weight")
+            mats[m] = {"kind": "native", "qtype": qtype, "k": int(t.shape[0]), "n": int(t.shape[1])}
+            arrays[f"{m}.data"] = data
+            continue
         w = ts.matrix(p + m + ".weight")
         mats[m] = {"kind": w.kind, "k": w.k, "n": w.n, "block": w.block, "has_corr": w.corr is not None}
         for key, arr in w.arrays().items():
@@ -148,9 +182,14 @@ def _layer_arrays(ts: _Tensors, i: int, dims: dict) -> tuple[dict, dict]:
     return arrays, mats
 
 
+LAYOUTS = ("auto", "native", "ort")
+
+
 def convert(gguf_path: str | os.PathLike, out: str | os.PathLike, *, progress: Callable[[str], None] | None = None,
-            source_sha256: str | None = None) -> Path:
+            source_sha256: str | None = None, layout: str = "auto") -> Path:
     """Convert ``gguf_path`` into the bundle directory ``out``; returns ``out``."""
+    if layout not in LAYOUTS:
+        raise ModelError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     from lever_actors.tokenizer import TextTokenizer, tokenizer_spec_from_gguf
 
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -165,6 +204,8 @@ def convert(gguf_path: str | os.PathLike, out: str | os.PathLike, *, progress: C
         raise ModelError(f"{src} is not a readable GGUF file: {e}") from e
     dims = read_dims(reader)
     ts = _Tensors(reader)
+    if layout == "auto":
+        layout = "native" if ts.native_capable() else "ort"
     tmp = dst.with_name(dst.name + f".partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -184,17 +225,23 @@ def convert(gguf_path: str | os.PathLike, out: str | os.PathLike, *, progress: C
         }
         layers = []
         for i in range(dims["n_layer"]):
-            arrays, mats = _layer_arrays(ts, i, dims)
+            arrays, mats = _layer_arrays(ts, i, dims, layout)
             layers.append(flash.write(arrays, mats).to_json())
-            say(f"convert {src.name}: layer {i + 1}/{dims['n_layer']} ({time.time() - t0:.0f} s)")
+            say(f"convert {src.name}: layer {i + 1}/{dims['n_layer']}, {layout} layout ({time.time() - t0:.0f} s)")
         flash.close()
         resident = RegionWriter(tmp / "resident.bin", "resident.bin")
         head_name = "output.weight" if ts.has("output.weight") else "token_embd.weight"
-        head = [r.to_json() for r in _write_head(resident, ts.matrix(head_name), ts.vector("output_norm.weight"),
-                                                   max(layers, key=lambda r: r["nbytes"])["nbytes"])]
+        biggest = max(layers, key=lambda r: r["nbytes"])["nbytes"]
+        if layout == "native":
+            t = ts.get(head_name)
+            qtype, data = ts.native(head_name)
+            head = [r.to_json() for r in _write_native_head(resident, qtype, data, int(t.shape[0]),
+                                                              ts.vector("output_norm.weight"), biggest)]
+        else:
+            head = [r.to_json() for r in _write_head(resident, ts.matrix(head_name), ts.vector("output_norm.weight"), biggest)]
         resident.close()
         manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION,
+            "format": FORMAT, "format_version": FORMAT_VERSION, "layout": layout,
             "source": {"gguf": src.name, "bytes": src.stat().st_size, "sha256": source_sha256,
                        "name": str(_field(reader, "general.name", "unknown"))},
             "dims": dims,

@@ -144,22 +144,12 @@ def _rope(g: _G, x: str, cos: str, sin: str, n_heads: int, d: int, style: str, t
     return g.op("Reshape", out, g.const(f"{tag}.s2", np.array([0, n_heads * d], np.int64)))
 
 
-def build_layer(dims: Dims, mats: dict[str, MatSpec], accuracy: int) -> bytes:
-    """Serialized ONNX model of one decoder layer.
+_ATTENTION_INPUTS = ("past_k", "past_v", "kv_index", "cos", "sin", "mask", "perm")
 
-    Inputs: ``x`` [N, H]; ``past_k``/``past_v`` [KVH, C, D] (the layer's whole
-    cache); ``kv_index`` int64 [KVH, N, 2] (head, slot) where the new rows go;
-    ``cos``/``sin`` [N, D/2] at each token's position; ``perm`` [N, C] each row's
-    slots, visible ones first in position order;
-    ``mask`` [N, C] additive, in ``perm`` order (0 for the first visible columns).
-    Outputs: ``y`` [N, H], ``k_new``/``v_new`` [KVH, N, D].
-    """
-    g = _G()
-    H, D, nh, kvh = dims.hidden, dims.head_dim, dims.n_head, dims.n_kv_head
-    grp = nh // kvh
-    f = TensorProto.FLOAT
-    inputs = [
-        helper.make_tensor_value_info("x", f, ["N", H]),
+
+def _attention_inputs(dims: Dims) -> list:
+    f, D, kvh = TensorProto.FLOAT, dims.head_dim, dims.n_kv_head
+    return [
         helper.make_tensor_value_info("past_k", f, [kvh, dims.context, D]),
         helper.make_tensor_value_info("past_v", f, [kvh, dims.context, D]),
         helper.make_tensor_value_info("kv_index", TensorProto.INT64, [kvh, "N", 2]),
@@ -168,11 +158,12 @@ def build_layer(dims: Dims, mats: dict[str, MatSpec], accuracy: int) -> bytes:
         helper.make_tensor_value_info("mask", f, ["N", dims.context]),
         helper.make_tensor_value_info("perm", TensorProto.INT64, ["N", dims.context]),
     ]
-    vec = {name: g.external(name, ((H if "norm" in name or name == "attn_q.bias" else kvh * D),), f) for name in LAYER_VECS}
-    xn = g.rmsnorm("x", vec["attn_norm"], dims.rms_eps)
-    q = g.op("Add", g.matmul(xn, "attn_q", mats["attn_q"], accuracy), vec["attn_q.bias"])
-    k = g.op("Add", g.matmul(xn, "attn_k", mats["attn_k"], accuracy), vec["attn_k.bias"])
-    v = g.op("Add", g.matmul(xn, "attn_v", mats["attn_v"], accuracy), vec["attn_v.bias"])
+
+
+def _attention(g: _G, q: str, k: str, v: str, dims: Dims) -> tuple[str, str, str]:
+    """RoPE, new K/V scattered into the cache, masked GQA: -> (attn [N, nh*D], k_new, v_new)."""
+    H, D, nh, kvh = dims.hidden, dims.head_dim, dims.n_head, dims.n_kv_head
+    grp = nh // kvh
     q = _rope(g, q, "cos", "sin", nh, D, dims.rope_style, "rq")
     k = _rope(g, k, "cos", "sin", kvh, D, dims.rope_style, "rk")
     kv_shape = g.const("kv_shape", np.array([0, kvh, D], np.int64))
@@ -198,6 +189,56 @@ def build_layer(dims: Dims, mats: dict[str, MatSpec], accuracy: int) -> bytes:
     v_rows = g.op("Gather", v_all, "perm", axis=1)  # [KVH, N, C, D], each row's keys in its order
     ctx = g.op("MatMul", probs, v_rows)  # [KVH, N, G, D]
     attn = g.op("Reshape", g.op("Transpose", ctx, perm=[1, 0, 2, 3]), g.const("as", np.array([-1, H], np.int64)))
+    return attn, k_new, v_new
+
+
+def _kv_outputs(g: _G, k_new: str, v_new: str, dims: Dims) -> list:
+    g.nodes.append(helper.make_node("Identity", [k_new], ["k_new"]))
+    g.nodes.append(helper.make_node("Identity", [v_new], ["v_new"]))
+    kvh, D = dims.n_kv_head, dims.head_dim
+    return [helper.make_tensor_value_info("k_new", TensorProto.FLOAT, [kvh, "N", D]),
+            helper.make_tensor_value_info("v_new", TensorProto.FLOAT, [kvh, "N", D])]
+
+
+def build_attention(dims: Dims) -> bytes:
+    """Serialized ONNX model of the attention core of a layer whose matmuls run natively.
+
+    Inputs: ``q`` [N, nh*D], ``k``/``v`` [N, KVH*D] (projections with bias) plus
+    the cache, slot and layout inputs of :func:`build_layer`. Outputs: ``attn``
+    [N, H] and ``k_new``/``v_new`` [KVH, N, D]. It holds no weights, so one session
+    serves every layer of a model.
+    """
+    g = _G()
+    f, kvd = TensorProto.FLOAT, dims.n_kv_head * dims.head_dim
+    inputs = [helper.make_tensor_value_info("q", f, ["N", dims.n_head * dims.head_dim]),
+              helper.make_tensor_value_info("k", f, ["N", kvd]),
+              helper.make_tensor_value_info("v", f, ["N", kvd])] + _attention_inputs(dims)
+    attn, k_new, v_new = _attention(g, "q", "k", "v", dims)
+    g.nodes.append(helper.make_node("Identity", [attn], ["attn"]))
+    outputs = [helper.make_tensor_value_info("attn", f, ["N", dims.hidden])] + _kv_outputs(g, k_new, v_new, dims)
+    return _model(g, "attention", inputs, outputs)
+
+
+def build_layer(dims: Dims, mats: dict[str, MatSpec], accuracy: int) -> bytes:
+    """Serialized ONNX model of one decoder layer with MatMulNBits weights (resident models).
+
+    Inputs: ``x`` [N, H]; ``past_k``/``past_v`` [KVH, C, D] (the layer's whole
+    cache); ``kv_index`` int64 [KVH, N, 2] (head, slot) where the new rows go;
+    ``cos``/``sin`` [N, D/2] at each token's position; ``perm`` [N, C] each row's
+    slots, visible ones first in position order;
+    ``mask`` [N, C] additive, in ``perm`` order (0 for the first visible columns).
+    Outputs: ``y`` [N, H], ``k_new``/``v_new`` [KVH, N, D].
+    """
+    g = _G()
+    H, D, kvh = dims.hidden, dims.head_dim, dims.n_kv_head
+    f = TensorProto.FLOAT
+    inputs = [helper.make_tensor_value_info("x", f, ["N", H])] + _attention_inputs(dims)
+    vec = {name: g.external(name, ((H if "norm" in name or name == "attn_q.bias" else kvh * D),), f) for name in LAYER_VECS}
+    xn = g.rmsnorm("x", vec["attn_norm"], dims.rms_eps)
+    q = g.op("Add", g.matmul(xn, "attn_q", mats["attn_q"], accuracy), vec["attn_q.bias"])
+    k = g.op("Add", g.matmul(xn, "attn_k", mats["attn_k"], accuracy), vec["attn_k.bias"])
+    v = g.op("Add", g.matmul(xn, "attn_v", mats["attn_v"], accuracy), vec["attn_v.bias"])
+    attn, k_new, v_new = _attention(g, q, k, v, dims)
     h = g.op("Add", "x", g.matmul(attn, "attn_output", mats["attn_output"], accuracy))
     hn = g.rmsnorm(h, vec["ffn_norm"], dims.rms_eps)
     gate = g.matmul(hn, "ffn_gate", mats["ffn_gate"], accuracy)
@@ -205,13 +246,7 @@ def build_layer(dims: Dims, mats: dict[str, MatSpec], accuracy: int) -> bytes:
     act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
     y = g.op("Add", h, g.matmul(act, "ffn_down", mats["ffn_down"], accuracy))
     g.nodes.append(helper.make_node("Identity", [y], ["y"]))
-    g.nodes.append(helper.make_node("Identity", [k_new], ["k_new"]))
-    g.nodes.append(helper.make_node("Identity", [v_new], ["v_new"]))
-    outputs = [
-        helper.make_tensor_value_info("y", f, ["N", H]),
-        helper.make_tensor_value_info("k_new", f, [kvh, "N", D]),
-        helper.make_tensor_value_info("v_new", f, [kvh, "N", D]),
-    ]
+    outputs = [helper.make_tensor_value_info("y", f, ["N", H])] + _kv_outputs(g, k_new, v_new, dims)
     return _model(g, "decoder_layer", inputs, outputs)
 
 

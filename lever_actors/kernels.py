@@ -94,6 +94,9 @@ def matmul(w: NativeMatrix, a: QuantizedRows | np.ndarray, threads: int = 1, out
             if arr.dtype != dtype or arr.shape != shape:
                 raise ValueError(f"quantized rows: expected {np.dtype(dtype).name} {shape}, got {arr.dtype} {arr.shape}")
         args = (a.q, a.d, a.bsums, None)
+        if w.qtype == "F32":  # fp32 weights take the int8 rows' values (q * d) on the fp32 path
+            x = (a.q.reshape(n, -1, QK) * a.d[:, :, None]).reshape(n, k).astype(np.float32)
+            args = (_EMPTY, _EMPTY, _EMPTY, x)
     else:
         x = _rows(a, "activations")
         n, k = x.shape

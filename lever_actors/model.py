@@ -1,8 +1,16 @@
-"""A transformer run layer by layer on ONNX Runtime sessions.
+"""A transformer run layer by layer.
 
 The pieces here know nothing about speculation or actors: a KV cache of fixed
-``context`` slots, embedding rows read from the flash file, rotary tables, one
-session per layer (built from that layer's buffer) and the LM head.
+``context`` slots, embedding rows read from the flash file, rotary tables, the
+layers and the LM head. A layer is built from its buffer in one of two ways,
+following the bundle's layout:
+
+* ``native``: :class:`NativeLayer` wraps views of the buffer (no copy) and runs
+  its matmuls in :mod:`lever_actors.kernels`; one weightless ONNX Runtime
+  session (the verification lane's execution provider) does RoPE and attention
+  for every layer. This is how the target streams.
+* ``ort``: one ONNX Runtime session per layer with MatMulNBits initializers
+  (resident models only, e.g. the draft).
 """
 from __future__ import annotations
 
@@ -14,7 +22,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from lever_actors.bundle import Bundle, Region, read_region
-from lever_actors.graphs import NEG, build_head, build_layer
+from lever_actors import kernels
+from lever_actors.graphs import NEG, build_attention, build_head, build_layer
 from lever_actors.ortrt import LaneConfig, make_session
 from lever_actors.quant import dequantize_rows
 
@@ -134,6 +143,52 @@ class LayerGraphs:
         return self.cache[key]
 
 
+class NativeLayer:
+    """One decoder layer computed from views of its buffer (which must outlive it).
+
+    Row-wise norm, activation quantization and SwiGLU, matmuls that split output
+    columns (never a reduction) and the shared attention graph keep every token's
+    result independent of the other tokens of its pass.
+    """
+
+    def __init__(self, region: Region, buf, eps: float) -> None:
+        v = region.views(buf)
+        self.mats = {m: kernels.NativeMatrix(spec["qtype"], spec["k"], spec["n"], v[f"{m}.data"])
+                     for m, spec in region.mats.items()}
+        self.vec = {name: v[name] for name in ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias")}
+        self.eps = eps
+
+    def forward(self, x: np.ndarray, feeds: dict, past_k, past_v, attention, lane: LaneConfig):
+        t = lane.threads
+        act = kernels.quantize_rows if lane.precision == "int8" else (lambda a: a)
+        mm = self.mats
+        a = act(kernels.rmsnorm(x, self.vec["attn_norm"], self.eps))
+        q = kernels.matmul(mm["attn_q"], a, t) + self.vec["attn_q.bias"]
+        k = kernels.matmul(mm["attn_k"], a, t) + self.vec["attn_k.bias"]
+        v = kernels.matmul(mm["attn_v"], a, t) + self.vec["attn_v.bias"]
+        attn, k_new, v_new = attention.run(None, {"q": q, "k": k, "v": v, "past_k": past_k, "past_v": past_v, **feeds})
+        h = x + kernels.matmul(mm["attn_output"], act(attn), t)
+        a = act(kernels.rmsnorm(h, self.vec["ffn_norm"], self.eps))
+        gate = kernels.matmul(mm["ffn_gate"], a, t)
+        up = kernels.matmul(mm["ffn_up"], a, t)
+        return h + kernels.matmul(mm["ffn_down"], act(kernels.swiglu(gate, up)), t), k_new, v_new
+
+
+class NativeHead:
+    """Final norm + one vocabulary slice of the LM head, from views of its buffer."""
+
+    def __init__(self, region: Region, buf, eps: float) -> None:
+        v = region.views(buf)
+        spec = region.mats["output"]
+        self.w = kernels.NativeMatrix(spec["qtype"], spec["k"], spec["n"], v["output.data"])
+        self.norm = v["output_norm"]
+        self.eps = eps
+
+    def logits(self, h: np.ndarray, lane: LaneConfig) -> np.ndarray:
+        hn = kernels.rmsnorm(np.ascontiguousarray(h, np.float32), self.norm, self.eps)
+        return kernels.matmul(self.w, kernels.quantize_rows(hn) if lane.precision == "int8" else hn, lane.threads)
+
+
 class Transformer:
     """Embedding + layer sessions + head for one model and one KV cache.
 
@@ -147,7 +202,10 @@ class Transformer:
         self.n_layer, self.hidden, self.head_dim = d["n_layer"], d["hidden"], d["head_dim"]
         self.n_kv_head, self.vocab = d["n_kv_head"], d["vocab_size"]
         self.rope_base = float(d["rope_base"])
+        self.eps = float(d["rms_eps"])
+        self.native = bundle.layout == "native"
         self.graphs = LayerGraphs(bundle, context, lane.accuracy)
+        self.attention = make_session(build_attention(bundle.graph_dims(context)), {}, lane) if self.native else None
         self.regions = bundle.layers
         self.embedding = EmbeddingTable(bundle)
         self.kv = KVCache(self.n_layer, self.n_kv_head, context, self.head_dim)
@@ -158,7 +216,7 @@ class Transformer:
         self.head_sessions = [self.head_session_from_buffer(c, read_region(bundle, r))
                               for c, r in enumerate(self.head_regions)] if load_head else None
         layers = range(self.n_layer) if resident_layers is None else resident_layers
-        self.resident: dict[int, object] = {}
+        self.resident: dict[int, object] = {}  # layer -> NativeLayer or ORT session
         self.resident_bytes = 0
         for i in layers:
             buf = read_region(bundle, self.regions[i])
@@ -166,14 +224,20 @@ class Transformer:
             self.resident_bytes += self.regions[i].nbytes
 
     def head_session_from_buffer(self, chunk: int, buf) -> object:
+        """The computation of one head slice; a native one keeps ``buf`` (no copy)."""
         region = self.head_regions[chunk]
+        if self.native:
+            return NativeHead(region, buf, self.eps)
         spec = region.mat_specs()["output"]
         if spec.n not in self._head_graphs:
             self._head_graphs[spec.n] = build_head(self.hidden, spec, float(self.bundle.dims["rms_eps"]), self.lane.accuracy)
         return make_session(self._head_graphs[spec.n], region.views(buf), self.lane)
 
     def layer_session_from_buffer(self, i: int, buf) -> object:
+        """The computation of layer ``i``: a :class:`NativeLayer` over ``buf`` or an ORT session (copies ``buf``)."""
         region = self.regions[i]
+        if self.native:
+            return NativeLayer(region, buf, self.eps)
         return make_session(self.graphs.for_layer(region), region.views(buf), self.lane)
 
     def feeds(self, positions: np.ndarray, slots: np.ndarray, layout: dict) -> dict:
@@ -185,17 +249,21 @@ class Transformer:
         return {"cos": cos, "sin": sin, "kv_index": idx, **layout}
 
     def run_layer(self, i: int, session, x: np.ndarray, feeds: dict, slots: np.ndarray) -> np.ndarray:
-        f = dict(feeds)
-        f["x"] = x
-        f["past_k"] = self.kv.k[i]
-        f["past_v"] = self.kv.v[i]
-        y, k_new, v_new = session.run(None, f)
+        if self.native:
+            y, k_new, v_new = session.forward(x, feeds, self.kv.k[i], self.kv.v[i], self.attention, self.lane)
+        else:
+            y, k_new, v_new = session.run(None, {"x": x, "past_k": self.kv.k[i], "past_v": self.kv.v[i], **feeds})
         self.kv.write(i, slots, k_new, v_new)
         return y
 
+    def head_logits(self, session, hidden_rows: np.ndarray) -> np.ndarray:
+        """Logits of one head slice for ``hidden_rows`` [M, H]."""
+        if self.native:
+            return session.logits(hidden_rows, self.lane)
+        return session.run(None, {"h": np.ascontiguousarray(hidden_rows, np.float32)})[0]
+
     def logits(self, hidden_rows: np.ndarray) -> np.ndarray:
-        h = {"h": np.ascontiguousarray(hidden_rows, np.float32)}
-        return np.concatenate([s.run(None, h)[0] for s in self.head_sessions], axis=-1)
+        return np.concatenate([self.head_logits(s, hidden_rows) for s in self.head_sessions], axis=-1)
 
     def forward_resident(self, tokens, positions, slots, layout) -> np.ndarray:
         """All layers resident: final hidden states ``[N, H]`` of ``tokens``."""

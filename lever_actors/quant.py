@@ -221,3 +221,27 @@ def dequantize_rows(raw_rows: np.ndarray, qtype: QT, k: int) -> np.ndarray:
     from gguf.quants import dequantize
 
     return dequantize(np.ascontiguousarray(raw_rows, np.uint8), qtype).reshape(-1, k).astype(np.float32)
+
+
+# GGUF types the native kernels (lever_actors.kernels) consume as they are stored.
+NATIVE_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0)
+NATIVE_ROW = 256  # the kernels quantize activations per 256 columns
+
+
+def native_weight(raw: np.ndarray, qtype: QT, k: int, n: int) -> tuple[str, np.ndarray]:
+    """A ``[K, N]`` matrix in the native layout: ``(type name, data)``.
+
+    Q4_K, Q6_K and Q8_0 keep their GGUF block bytes (``uint8 [n, row_bytes]``).
+    Any other supported type is widened to exact fp32 rows (``float32 [n, k]``):
+    no rounding, but 4-8x the bytes, so a model made of such types streams slowly.
+    """
+    if qtype not in BLOCK_LAYOUT:
+        raise UnsupportedModel(f"unsupported GGUF tensor type {qtype.name}; supported: {', '.join(SUPPORTED_TYPES)}")
+    if k % NATIVE_ROW:
+        raise UnsupportedModel(f"row length {k} is not a multiple of {NATIVE_ROW}: the native layout cannot hold it "
+                               "(convert with --layout ort)")
+    if qtype in NATIVE_TYPES:
+        return qtype.name, _blocks(raw, n, k, qtype).reshape(n, -1)
+    from gguf.quants import dequantize
+
+    return "F32", np.ascontiguousarray(dequantize(np.ascontiguousarray(raw, np.uint8), qtype).reshape(n, k), np.float32)

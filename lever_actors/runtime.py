@@ -27,7 +27,7 @@ from actors.flash_prefetch import FlashPrefetcher, StreamStage
 from actors.npu_verify import NpuVerifier
 from lever_actors.budget import BudgetPlan, plan_budget
 from lever_actors.bundle import load_bundle, read_region
-from lever_actors.errors import ModelIncompatible
+from lever_actors.errors import ConfigError, ModelIncompatible
 from lever_actors.flashio import FlashFile, aligned_buffer
 from lever_actors.lanes import ThreadLanes
 from lever_actors.model import Transformer
@@ -97,7 +97,12 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int) -> BudgetPlan:
         items["draft_weights"] = draft_bytes
         items["draft_kv"] = 2 * dd["n_layer"] * dd["n_kv_head"] * cfg.context * dd["head_dim"] * 4
     budget = cfg.dram_budget if cfg.mode != "resident-ar" else None
-    return plan_budget(budget, items, target.layer_bytes(), [r.nbytes for r in target.head_chunks])
+    if target.layout != "native" and budget is not None:
+        raise ConfigError(
+            f"{target.path} has the {target.layout!r} layout, which cannot stream from flash; "
+            "use --mode resident-ar or convert the GGUF with --layout native")
+    return plan_budget(budget, items, target.layer_bytes(), [r.nbytes for r in target.head_chunks],
+                       in_place=target.layout == "native")
 
 
 class Pipeline:
@@ -263,7 +268,8 @@ class Pipeline:
 def _draft_weight_bytes(bundle) -> int:
     from lever_actors.budget import PREPACK_FACTOR
 
-    return int((sum(bundle.layer_bytes()) + bundle.head_bytes()) * PREPACK_FACTOR)
+    factor = 1.0 if bundle.layout == "native" else PREPACK_FACTOR
+    return int((sum(bundle.layer_bytes()) + bundle.head_bytes()) * factor)
 
 
 @asynccontextmanager
@@ -330,7 +336,10 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         for f in files.values():
             f.close()
         for b in pool:
-            b.close()
+            try:
+                b.close()
+            except BufferError:  # a layer view outlived the pipeline; the mapping goes with it
+                pass
 
 
 def run_generation(cfg, tbundle, dbundle, tok, ids, max_tokens, params, on_token, on_text, dec, t0):

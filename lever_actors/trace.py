@@ -44,11 +44,16 @@ class Tracer:
                 for lane, tid in LANES.items()]
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"traceEvents": meta + list(self.events), "displayTimeUnit": "ms"}, f)
+            json.dump({"traceEvents": meta + self.snapshot(), "displayTimeUnit": "ms"}, f)
         os.replace(tmp, path)
 
+    def snapshot(self) -> list[dict]:
+        """A copy of the events; lanes keep appending from their threads while we read."""
+        with self._lock:
+            return list(self.events)
+
     def _merged(self, lanes, since: float = 0.0) -> list[tuple[float, float]]:
-        iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in self.events if e["cat"] in lanes and e["ts"] >= since)
+        iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in self.snapshot() if e["cat"] in lanes and e["ts"] >= since)
         out: list[list[float]] = []
         for s, e in iv:
             if out and s <= out[-1][1]:

@@ -20,11 +20,12 @@ def tiny_gguf(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_bundles(tiny_gguf, tmp_path_factory) -> tuple[Path, Path]:
-    """(target, draft) bundles converted from the tiny GGUF pair."""
+    """(target, draft) bundles of the tiny pair, in the layouts of the real pair: native target, ORT draft."""
     from lever_actors.convert import convert
 
     out = tmp_path_factory.mktemp("bundles")
-    return tuple(convert(g, out / (g.stem + ".bundle"), progress=lambda m: None) for g in tiny_gguf)
+    return tuple(convert(g, out / (g.stem + ".bundle"), progress=lambda m: None, layout=layout)
+                 for g, layout in zip(tiny_gguf, ("native", "ort")))
 
 
 def _real_pair_installed() -> bool:

@@ -50,6 +50,20 @@ def test_fp32_forward_matches_float64_reference(tiny_gguf, tiny_bundles, which):
     assert rel_err(causal_logits(model, TOKENS), ref) <= 1e-3
 
 
+@pytest.mark.parametrize("precision,bound", [("fp32", 1e-3), ("int8", 5e-2)])
+def test_native_layout_of_every_type_matches_reference(tiny_gguf, tmp_path, precision, bound):
+    """The draft's Q8_0 blocks stay native, its Q4_0/Q4_1/Q5_0/F16 widen to exact fp32."""
+    from lever_actors.convert import convert
+
+    bundle = load_bundle(convert(tiny_gguf[1], tmp_path / "draft-native", progress=lambda m: None, layout="native"))
+    assert bundle.layout == "native"
+    qtypes = {spec["qtype"] for r in bundle.layers for spec in r.mats.values()}
+    assert qtypes == {"Q8_0", "F32"}
+    ref = ReferenceModel(str(tiny_gguf[1])).logits(TOKENS)
+    model = Transformer(bundle, 64, LaneConfig(precision=precision))
+    assert rel_err(causal_logits(model, TOKENS), ref) <= bound
+
+
 def test_int8_forward_stays_close_to_reference(tiny_gguf, tiny_bundles):
     ref = ReferenceModel(str(tiny_gguf[0])).logits(TOKENS)
     model = Transformer(load_bundle(tiny_bundles[0]), 64, LaneConfig(precision="int8"))

@@ -139,3 +139,30 @@ def test_layers_run_in_order_and_every_read_is_released_once(tiny_bundles):
     ring = seen["ring"]
     assert reads == [ring[i % len(ring)] for i in range(len(reads))]  # the ring order, forever
     assert seen["reads"] == seen["released"] + seen["lent"]  # each read released exactly once, or still lent
+
+
+def test_tracer_reads_while_worker_threads_record():
+    """busy()/overlap() run on the trio thread while lanes record spans from worker threads."""
+    import threading
+
+    from lever_actors.trace import Tracer
+
+    tr = Tracer()
+    stop = threading.Event()
+
+    def record():
+        t = tr.t0
+        while not stop.is_set():
+            tr.add("read", "flash", t, t + 1e-6)
+            t += 2e-6
+
+    th = threading.Thread(target=record)
+    th.start()
+    try:
+        for _ in range(200):  # iterating the live deque raised "deque mutated during iteration" here
+            tr.busy("flash")
+            tr.overlap("flash", ("npu",))
+    finally:
+        stop.set()
+        th.join()
+    assert tr.busy("flash") > 0
