@@ -196,8 +196,9 @@ static inline int32_t dot_i8(const int8_t *w, const int8_t *a) {
 
 #ifdef LEVER_AVX512
 /* AVX-512 versions of the Q4_K / Q6_K blocks: weights are unpacked once per block
- * into registers and reused for every activation row. The integer results equal
- * dot_q4k / dot_q6k exactly, and the float combination is the same expression. */
+ * into registers and reused for every activation row; each output keeps 16 float
+ * lanes (acc + 16*i) across blocks and is reduced once at the end, so no
+ * horizontal sum runs per block. Same instructions for every row and every N. */
 static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
                           const int32_t *bsums, float *acc) {
     const int64_t nsb = k / QK;
@@ -235,10 +236,13 @@ static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
         t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[1], _mm512_loadu_si512(a + 64)), scl[1]);
         t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(w[2], _mm512_loadu_si512(a + 128)), scl[2]);
         t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[3], _mm512_loadu_si512(a + 192)), scl[3]);
-        int32_t isum = _mm512_reduce_add_epi32(_mm512_add_epi32(t0, t1));
-        __m512i bs = _mm512_loadu_si512(bsums + (i * nsb + s) * 16);
-        int32_t msum = _mm512_reduce_add_epi32(_mm512_mullo_epi32(bs, mnv));
-        acc[i] += d[i * nsb + s] * (dw * (float)isum - dmin * (float)msum);
+        /* lane-wise: acc += dx*dw * isum_lanes - dx*dmin * msum_lanes (reduced once per output) */
+        const float dx = d[i * nsb + s];
+        __m512i ms = _mm512_mullo_epi32(_mm512_loadu_si512(bsums + (i * nsb + s) * 16), mnv);
+        __m512 a16 = _mm512_loadu_ps(acc + 16 * i);
+        a16 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), _mm512_set1_ps(dx * dw), a16);
+        a16 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_set1_ps(-(dx * dmin)), a16);
+        _mm512_storeu_ps(acc + 16 * i, a16);
     }
 }
 
@@ -278,8 +282,9 @@ static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
         t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(w[2], _mm512_loadu_si512(a + 128)), scl[2]);
         t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[3], _mm512_loadu_si512(a + 192)), scl[3]);
         __m512i off = _mm512_mullo_epi32(_mm512_loadu_si512(bsums + (i * nsb + s) * 16), sc32);
-        int32_t isum = _mm512_reduce_add_epi32(_mm512_sub_epi32(_mm512_add_epi32(t0, t1), off));
-        acc[i] += d[i * nsb + s] * (dw * (float)isum);
+        __m512i it = _mm512_sub_epi32(_mm512_add_epi32(t0, t1), off);
+        __m512 a16 = _mm512_loadu_ps(acc + 16 * i);
+        _mm512_storeu_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(it), _mm512_set1_ps(d[i * nsb + s] * dw), a16));
     }
 }
 #endif
@@ -289,10 +294,6 @@ static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
 static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
                      const int32_t *bsums, float *acc) {
     const int64_t nsb = k / QK;
-#ifdef LEVER_AVX512
-    if (type == T_Q4_K) { block_q4k_512(b, s, k, n, q, d, bsums, acc); return; }
-    if (type == T_Q6_K) { block_q6k_512(b, s, k, n, q, d, bsums, acc); return; }
-#endif
     if (type == T_Q4_K) {
         float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
         uint8_t sc[8], mn[8];
@@ -409,27 +410,44 @@ static void *run_job(void *arg) {
     Job *jb = (Job *)arg;
     const size_t rb = row_bytes(jb->type, jb->k);
     const int64_t nsb = jb->k / QK, n = jb->n > 0 ? jb->n : 1;
-    float *acc = malloc(sizeof(float) * (size_t)(n * ROW_GROUP));
+#ifdef LEVER_AVX512
+    const int64_t lanes = !jb->x && (jb->type == T_Q4_K || jb->type == T_Q6_K) ? 16 : 1;
+#else
+    const int64_t lanes = 1;
+#endif
+    float *acc = malloc(sizeof(float) * (size_t)(n * ROW_GROUP * lanes));
     float *wf = jb->x ? malloc(sizeof(float) * QK) : NULL;
     if (!acc || (jb->x && !wf)) { jb->failed = 1; free(acc); free(wf); return NULL; }
     const size_t block = jb->type == T_Q4_K ? 144 : jb->type == T_Q6_K ? 210 : jb->type == T_Q8_0 ? 272 : QK * 4;
-    for (int64_t j0 = jb->j0; j0 < jb->j1; j0 += ROW_GROUP) {
-        const int64_t rows = jb->j1 - j0 < ROW_GROUP ? jb->j1 - j0 : ROW_GROUP;
-        memset(acc, 0, sizeof(float) * (size_t)(n * rows));
+    /* a single activation row gains nothing from grouping: stream each weight row contiguously */
+    const int64_t group = jb->n <= 2 ? 1 : ROW_GROUP;
+    for (int64_t j0 = jb->j0; j0 < jb->j1; j0 += group) {
+        const int64_t rows = jb->j1 - j0 < group ? jb->j1 - j0 : group;
+        memset(acc, 0, sizeof(float) * (size_t)(n * rows * lanes));
         for (int64_t s = 0; s < nsb; s++) {
             for (int64_t r = 0; r < rows; r++) {
                 const uint8_t *b = jb->w + (size_t)(j0 + r) * rb + (size_t)s * block;
-                float *ar = acc + r * n;
+                float *ar = acc + r * n * lanes;
                 if (jb->x) {
                     dequant_block(jb->type, b, wf);
                     for (int64_t i = 0; i < jb->n; i++) ar[i] += dot_f32(wf, jb->x + i * jb->k + s * QK);
-                } else {
-                    block_q8(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
                 }
+#ifdef LEVER_AVX512
+                else if (jb->type == T_Q4_K) block_q4k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
+                else if (jb->type == T_Q6_K) block_q6k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
+#endif
+                else block_q8(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
             }
         }
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < jb->n; i++) jb->out[i * jb->out_stride + j0 + r] = acc[r * n + i];
+            for (int64_t i = 0; i < jb->n; i++) {
+                const float *a = acc + (r * n + i) * lanes;
+#ifdef LEVER_AVX512
+                jb->out[i * jb->out_stride + j0 + r] = lanes == 16 ? _mm512_reduce_add_ps(_mm512_loadu_ps(a)) : a[0];
+#else
+                jb->out[i * jb->out_stride + j0 + r] = a[0];
+#endif
+            }
     }
     free(acc);
     free(wf);
@@ -569,6 +587,127 @@ done:
     return ret;
 }
 
+/* ---------------------------------------------------------------- attention
+ * Row r attends to its first len[r] keys in the order perm[r] lists them (its
+ * committed prefix, then its own ancestors and itself): the layout of a plain
+ * autoregressive step. Everything below runs in that order with one lane per
+ * head dimension, so a tree node's output is bit-identical to the one it would
+ * get decoded alone, and no masked key costs anything. */
+
+static inline float dot_d(const float *a, const float *b, int64_t d) {
+#ifdef LEVER_AVX2
+    __m256 p = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; e += 8) p = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), p);
+    float l[8];
+    _mm256_storeu_ps(l, p);
+#else
+    float l[8] = {0};
+    for (int64_t e = 0; e < d; e += 8)
+        for (int j = 0; j < 8; j++) l[j] = fmaf(a[e + j], b[e + j], l[j]);
+#endif
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+static inline void axpy_d(float p, const float *v, float *acc, int64_t d) {
+#ifdef LEVER_AVX2
+    __m256 pv = _mm256_set1_ps(p);
+    for (int64_t e = 0; e < d; e += 8)
+        _mm256_storeu_ps(acc + e, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + e), _mm256_loadu_ps(acc + e)));
+#else
+    for (int64_t e = 0; e < d; e++) acc[e] = fmaf(p, v[e], acc[e]);
+#endif
+}
+
+typedef struct {
+    const float *q, *k, *v;
+    const int64_t *perm, *len;
+    float *out;
+    int64_t n, nh, kvh, d, c, r0, r1;
+    float scale;
+    int failed;
+} AttnJob;
+
+static void *run_attn(void *arg) {
+    AttnJob *a = (AttnJob *)arg;
+    float *s = malloc(sizeof(float) * (size_t)(a->c > 0 ? a->c : 1));
+    if (!s) { a->failed = 1; return NULL; }
+    const int64_t grp = a->nh / a->kvh;
+    for (int64_t r = a->r0; r < a->r1; r++) {
+        const int64_t *pr = a->perm + r * a->c, len = a->len[r];
+        for (int64_t h = 0; h < a->nh; h++) {
+            const float *qh = a->q + (r * a->nh + h) * a->d;
+            const float *kh = a->k + (h / grp) * a->c * a->d, *vh = a->v + (h / grp) * a->c * a->d;
+            float *o = a->out + (r * a->nh + h) * a->d;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < len; j++) {
+                s[j] = dot_d(qh, kh + pr[j] * a->d, a->d) * a->scale;
+                if (s[j] > mx) mx = s[j];
+            }
+            float sum = 0.0f;
+            for (int64_t e = 0; e < a->d; e++) o[e] = 0.0f;
+            for (int64_t j = 0; j < len; j++) {
+                float p = expf(s[j] - mx);
+                sum += p;
+                axpy_d(p, vh + pr[j] * a->d, o, a->d);
+            }
+            float inv = len > 0 ? 1.0f / sum : 0.0f;
+            for (int64_t e = 0; e < a->d; e++) o[e] *= inv;
+        }
+    }
+    free(s);
+    return NULL;
+}
+
+/* attention(q, k_cache, v_cache, perm, lengths, out, n, n_head, n_kv_head, head_dim, context, scale, threads) */
+static PyObject *py_attention(PyObject *self, PyObject *args) {
+    Py_buffer q, k, v, perm, len, out;
+    Py_ssize_t n, nh, kvh, d, c;
+    double scale;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnnndi", &q, &k, &v, &perm, &len, &out, &n, &nh, &kvh, &d, &c, &scale,
+                          &threads))
+        return NULL;
+    PyObject *ret = NULL;
+    if (d % 8 || kvh < 1 || nh % kvh) { PyErr_SetString(PyExc_ValueError, "head_dim must be a multiple of 8 and n_head of n_kv_head"); goto done; }
+    if (!need(&q, n * nh * d * 4, "q") || !need(&k, kvh * c * d * 4, "k cache") || !need(&v, kvh * c * d * 4, "v cache") ||
+        !need(&perm, n * c * 8, "perm") || !need(&len, n * 8, "lengths") || !need(&out, n * nh * d * 4, "out"))
+        goto done;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        int64_t l = ((const int64_t *)len.buf)[r];
+        if (l < 0 || l > c) { PyErr_Format(PyExc_ValueError, "row %zd: length %lld outside [0, %zd]", r, (long long)l, c); goto done; }
+        for (int64_t j = 0; j < l; j++) {
+            int64_t key = ((const int64_t *)perm.buf)[r * c + j];
+            if (key < 0 || key >= c) { PyErr_Format(PyExc_ValueError, "row %zd: key slot %lld outside the cache", r, (long long)key); goto done; }
+        }
+    }
+    if (threads < 1) threads = 1;
+    if (threads > 16) threads = 16;
+    if (n < threads) threads = n > 0 ? (int)n : 1;
+    AttnJob jobs[16];
+    pthread_t tid[16];
+    int started[16] = {0}, failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = (AttnJob){q.buf, k.buf, v.buf, perm.buf, len.buf, out.buf, n, nh, kvh, d, c, n * t / threads,
+                            n * (t + 1) / threads, (float)scale, 0};
+    }
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&tid[t], NULL, run_attn, &jobs[t]) == 0;
+    run_attn(&jobs[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else run_attn(&jobs[t]);
+    }
+    for (int t = 0; t < threads; t++) failed |= jobs[t].failed;
+    Py_END_ALLOW_THREADS
+    if (failed) { PyErr_NoMemory(); goto done; }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&q); PyBuffer_Release(&k); PyBuffer_Release(&v); PyBuffer_Release(&perm); PyBuffer_Release(&len);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *args) {
 #if defined(LEVER_AVX512)
     return PyUnicode_FromString("avx512-vnni");
@@ -584,6 +723,7 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "y = A @ W^T from GGUF block bytes"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "row-wise RMS norm"},
     {"swiglu", py_swiglu, METH_VARARGS, "gate * sigmoid(gate) * up"},
+    {"attention", py_attention, METH_VARARGS, "masked GQA over each row's own key order"},
     {"simd", py_simd, METH_NOARGS, "which code path was compiled"},
     {NULL, NULL, 0, NULL},
 };

@@ -200,25 +200,6 @@ def _kv_outputs(g: _G, k_new: str, v_new: str, dims: Dims) -> list:
             helper.make_tensor_value_info("v_new", TensorProto.FLOAT, [kvh, "N", D])]
 
 
-def build_attention(dims: Dims) -> bytes:
-    """Serialized ONNX model of the attention core of a layer whose matmuls run natively.
-
-    Inputs: ``q`` [N, nh*D], ``k``/``v`` [N, KVH*D] (projections with bias) plus
-    the cache, slot and layout inputs of :func:`build_layer`. Outputs: ``attn``
-    [N, H] and ``k_new``/``v_new`` [KVH, N, D]. It holds no weights, so one session
-    serves every layer of a model.
-    """
-    g = _G()
-    f, kvd = TensorProto.FLOAT, dims.n_kv_head * dims.head_dim
-    inputs = [helper.make_tensor_value_info("q", f, ["N", dims.n_head * dims.head_dim]),
-              helper.make_tensor_value_info("k", f, ["N", kvd]),
-              helper.make_tensor_value_info("v", f, ["N", kvd])] + _attention_inputs(dims)
-    attn, k_new, v_new = _attention(g, "q", "k", "v", dims)
-    g.nodes.append(helper.make_node("Identity", [attn], ["attn"]))
-    outputs = [helper.make_tensor_value_info("attn", f, ["N", dims.hidden])] + _kv_outputs(g, k_new, v_new, dims)
-    return _model(g, "attention", inputs, outputs)
-
-
 def build_layer(dims: Dims, mats: dict[str, MatSpec], accuracy: int) -> bytes:
     """Serialized ONNX model of one decoder layer with MatMulNBits weights (resident models).
 

@@ -129,3 +129,41 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     out = np.empty_like(gate)
     _kernels.swiglu(gate, up, out, gate.size)
     return out
+
+
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, perm: np.ndarray, lengths: np.ndarray,
+              n_head: int, scale: float, threads: int = 1) -> np.ndarray:
+    """Grouped-query attention of ``q`` [N, n_head*D] over the cache [KVH, C, D].
+
+    Row ``r`` attends to keys ``perm[r, :lengths[r]]`` in that order (its prefix,
+    then its ancestors and itself), so a tree node reduces exactly like the
+    autoregressive step it stands for; masked keys are never touched.
+    """
+    q = _rows(q, "q")
+    k_cache, v_cache = np.ascontiguousarray(k_cache, np.float32), np.ascontiguousarray(v_cache, np.float32)
+    kvh, c, d = k_cache.shape
+    n = q.shape[0]
+    if q.shape[1] != n_head * d or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {q.shape} and caches {k_cache.shape}/{v_cache.shape} do not fit {n_head} heads")
+    perm = np.ascontiguousarray(perm, np.int64)
+    lengths = np.ascontiguousarray(lengths, np.int64)
+    if perm.shape != (n, c) or lengths.shape != (n,):
+        raise ValueError(f"perm must be [{n}, {c}] and lengths [{n}], got {perm.shape} and {lengths.shape}")
+    out = np.empty_like(q)
+    _kernels.attention(q, k_cache, v_cache, perm, lengths, out, n, n_head, kvh, d, c, float(scale), int(threads))
+    return out
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_heads: int, style: str) -> np.ndarray:
+    """Rotary embedding of ``x`` [N, heads*D] with ``cos``/``sin`` [N, D/2] (elementwise, so row-independent)."""
+    n = x.shape[0]
+    x3 = x.reshape(n, n_heads, -1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    if style == "neox":
+        h = x3.shape[2] // 2
+        x1, x2 = x3[..., :h], x3[..., h:]
+        out = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=2)
+    else:  # adjacent pairs (2i, 2i+1), as GGUF stores llama's q/k
+        e, o = x3[..., 0::2], x3[..., 1::2]
+        out = np.stack([e * c - o * s, o * c + e * s], axis=3).reshape(x3.shape)
+    return np.ascontiguousarray(out.reshape(n, -1), np.float32)

@@ -6,9 +6,8 @@ layers and the LM head. A layer is built from its buffer in one of two ways,
 following the bundle's layout:
 
 * ``native``: :class:`NativeLayer` wraps views of the buffer (no copy) and runs
-  its matmuls in :mod:`lever_actors.kernels`; one weightless ONNX Runtime
-  session (the verification lane's execution provider) does RoPE and attention
-  for every layer. This is how the target streams.
+  in :mod:`lever_actors.kernels` (matmuls from the GGUF blocks, attention over
+  each row's own key order). This is how the target streams.
 * ``ort``: one ONNX Runtime session per layer with MatMulNBits initializers
   (resident models only, e.g. the draft).
 """
@@ -23,7 +22,7 @@ from gguf import GGMLQuantizationType as QT
 
 from lever_actors.bundle import Bundle, Region, read_region
 from lever_actors import kernels
-from lever_actors.graphs import NEG, build_attention, build_head, build_layer
+from lever_actors.graphs import NEG, build_head, build_layer
 from lever_actors.ortrt import LaneConfig, make_session
 from lever_actors.quant import dequantize_rows
 
@@ -90,7 +89,7 @@ def attention_layout(context: int, past: int, visible: list[list[int]]) -> dict[
         rest[vis] = False
         perm[r] = np.concatenate([prefix, vis, np.flatnonzero(rest)])
         mask[r, : past + len(vis)] = 0.0
-    return {"mask": mask, "perm": perm}
+    return {"mask": mask, "perm": perm, "lengths": np.asarray([past + len(v) for v in visible], np.int64)}
 
 
 def causal_layout(context: int, past: int, n: int) -> dict[str, np.ndarray]:
@@ -147,8 +146,8 @@ class NativeLayer:
     """One decoder layer computed from views of its buffer (which must outlive it).
 
     Row-wise norm, activation quantization and SwiGLU, matmuls that split output
-    columns (never a reduction) and the shared attention graph keep every token's
-    result independent of the other tokens of its pass.
+    columns (never a reduction) and attention in each row's own key order keep
+    every token's result independent of the other tokens of its pass.
     """
 
     def __init__(self, region: Region, buf, eps: float) -> None:
@@ -158,20 +157,27 @@ class NativeLayer:
         self.vec = {name: v[name] for name in ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias")}
         self.eps = eps
 
-    def forward(self, x: np.ndarray, feeds: dict, past_k, past_v, attention, lane: LaneConfig):
+    def forward(self, x: np.ndarray, feeds: dict, cache_k, cache_v, dims: dict, lane: LaneConfig) -> np.ndarray:
+        """The layer's output rows; writes the new K/V rows into ``cache_k``/``cache_v`` (this layer's cache)."""
         t = lane.threads
         act = kernels.quantize_rows if lane.precision == "int8" else (lambda a: a)
         mm = self.mats
+        nh, kvh, d = dims["n_head"], dims["n_kv_head"], dims["head_dim"]
         a = act(kernels.rmsnorm(x, self.vec["attn_norm"], self.eps))
         q = kernels.matmul(mm["attn_q"], a, t) + self.vec["attn_q.bias"]
         k = kernels.matmul(mm["attn_k"], a, t) + self.vec["attn_k.bias"]
         v = kernels.matmul(mm["attn_v"], a, t) + self.vec["attn_v.bias"]
-        attn, k_new, v_new = attention.run(None, {"q": q, "k": k, "v": v, "past_k": past_k, "past_v": past_v, **feeds})
+        q = kernels.rope(q, feeds["cos"], feeds["sin"], nh, dims["rope_style"])
+        k = kernels.rope(k, feeds["cos"], feeds["sin"], kvh, dims["rope_style"])
+        slots = feeds["kv_index"][0, :, 1]
+        cache_k[:, slots, :] = k.reshape(-1, kvh, d).transpose(1, 0, 2)
+        cache_v[:, slots, :] = v.reshape(-1, kvh, d).transpose(1, 0, 2)
+        attn = kernels.attention(q, cache_k, cache_v, feeds["perm"], feeds["lengths"], nh, 1.0 / np.sqrt(d), t)
         h = x + kernels.matmul(mm["attn_output"], act(attn), t)
         a = act(kernels.rmsnorm(h, self.vec["ffn_norm"], self.eps))
         gate = kernels.matmul(mm["ffn_gate"], a, t)
         up = kernels.matmul(mm["ffn_up"], a, t)
-        return h + kernels.matmul(mm["ffn_down"], act(kernels.swiglu(gate, up)), t), k_new, v_new
+        return h + kernels.matmul(mm["ffn_down"], act(kernels.swiglu(gate, up)), t)
 
 
 class NativeHead:
@@ -205,7 +211,6 @@ class Transformer:
         self.eps = float(d["rms_eps"])
         self.native = bundle.layout == "native"
         self.graphs = LayerGraphs(bundle, context, lane.accuracy)
-        self.attention = make_session(build_attention(bundle.graph_dims(context)), {}, lane) if self.native else None
         self.regions = bundle.layers
         self.embedding = EmbeddingTable(bundle)
         self.kv = KVCache(self.n_layer, self.n_kv_head, context, self.head_dim)
@@ -250,9 +255,9 @@ class Transformer:
 
     def run_layer(self, i: int, session, x: np.ndarray, feeds: dict, slots: np.ndarray) -> np.ndarray:
         if self.native:
-            y, k_new, v_new = session.forward(x, feeds, self.kv.k[i], self.kv.v[i], self.attention, self.lane)
-        else:
-            y, k_new, v_new = session.run(None, {"x": x, "past_k": self.kv.k[i], "past_v": self.kv.v[i], **feeds})
+            return session.forward(x, feeds, self.kv.k[i], self.kv.v[i], self.bundle.dims, self.lane)
+        ort_feeds = {k: v for k, v in feeds.items() if k != "lengths"}
+        y, k_new, v_new = session.run(None, {"x": x, "past_k": self.kv.k[i], "past_v": self.kv.v[i], **ort_feeds})
         self.kv.write(i, slots, k_new, v_new)
         return y
 
