@@ -19,6 +19,12 @@ class Drafter:
     of the last draft tree (node i in slot prefix+i); rows on the path that was
     then committed are kept, not recomputed, and the rest is fed (after a fully
     accepted chain that includes the last drafted token: the catch-up step).
+    Cross-step drafting: a speculative request (sent while the last tree is
+    verified) commits an *assumed* outcome, its main path plus the draft's own
+    top choice as the next root, and drafts the next tree from it; the
+    assumption stays ``pending`` (KV length before it, tokens assumed) until the
+    next request confirms it or undoes it (keeping the rows the real tokens share
+    with the assumption).
     Backpressure: one request at a time on the CPU lane.
     Cancellation: a draft in a thread finishes; its scratch rows are discarded
     by the next request's sync (or its reset).
@@ -31,10 +37,31 @@ class Drafter:
         # the last draft tree: node i sits in KV slot (prefix length + i) once fed
         self.children: dict[int, dict[int, int]] = {}  # parent node (-1 = root) -> token -> node
         self.fed: list[bool] = []
+        self.pending: tuple[int, list[int]] | None = None  # (KV length before, tokens assumed)
 
     def reset(self) -> None:
         self.m.kv.truncate(0)
+        self.children, self.fed, self.pending = {}, [], None
+
+    def _undo_speculation(self, actual: list[int]) -> list[int]:
+        """Roll the KV back to before the pending assumption; returns the tokens still to feed
+        (the scratch tree is dropped, so :meth:`_sync` feeds them all)."""
+        base, assumed = self.pending
+        self.pending = None
+        keep = 0
+        while keep < min(len(assumed), len(actual) - 1) and assumed[keep] == actual[keep]:
+            keep += 1  # rows of the shared prefix are right; the root is always fed (its logits)
+        self.m.kv.truncate(base + keep)
         self.children, self.fed = {}, []
+        return actual[keep:]
+
+    def _speculate(self, path: list[int]) -> tuple[int, np.ndarray]:
+        """Commit ``path`` (nodes of the last tree) and the draft's top choice after it: (root, hidden)."""
+        base = self.m.kv.length
+        hidden = self._sync(path)
+        root = int(np.argmax(self.m.logits(hidden)[0]))
+        self.pending = (base, path + [root])
+        return root, self._feed([root])
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with self.requests_recv, self.out_send:
@@ -87,8 +114,18 @@ class Drafter:
         t0 = time.perf_counter()
         if req.reset:
             self.reset()
-        kv = self.m.kv
-        hidden = self._sync(list(req.committed))
+        root, position = req.root_token, req.position
+        committed = list(req.committed)
+        if self.pending is not None:
+            if req.confirmed:
+                self.pending = None  # the assumption held: it is plain committed history now
+            else:
+                committed = self._undo_speculation(committed)  # scratch rows are gone: feed what is left
+        if req.speculative:
+            root, hidden = self._speculate(list(req.assume))
+            position = req.position + len(req.assume) + 1
+        else:
+            hidden = self._sync(committed)
         params = SamplingParams(req.temperature, req.top_p, req.seed)
         parents, tokens, probs, path_p = [], [], [], []
         dists: dict[int, np.ndarray] = {}  # node (-1 = root) -> distribution its children came from
@@ -128,8 +165,8 @@ class Drafter:
             for node, p in dists.items():
                 dist_rows[node + 1] = p
         return DraftExpansion(
-            session_id=req.session_id, step=req.step, epoch=req.epoch, root_token=req.root_token,
-            position=req.position, parents=np.asarray(parents, np.int32), tokens=np.asarray(tokens, np.int32),
+            session_id=req.session_id, step=req.step, epoch=req.epoch, root_token=root,
+            position=position, parents=np.asarray(parents, np.int32), tokens=np.asarray(tokens, np.int32),
             draft_probs=np.asarray(probs, np.float32), draft_s=time.perf_counter() - t0, dists=dist_rows,
         )
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from lever_actors.engine import EngineConfig, load_tokenizer, parse_mode, sampling_from_args
+from lever_actors.engine import EngineConfig, load_tokenizer, sampling_from_args
 from lever_actors.errors import ConfigError
 
 
@@ -87,8 +87,7 @@ def run_bench(args) -> int:
         raise ConfigError("--modes is empty")
     configs = {}
     for m in modes:
-        name, gamma = parse_mode(m)
-        configs[m] = replace(base, mode=name, gamma=gamma, trace=None)
+        configs[m] = replace(base.with_mode(m), trace=None)
     prompts = file_prompts(args.prompts) if args.prompts else humaneval_prompts(args.humaneval)
     params = sampling_from_args(args)
     results = trio.run(_bench, configs, prompts, params, args)

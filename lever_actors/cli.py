@@ -39,14 +39,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> None:
     g = p.add_argument_group("runtime")
     g.add_argument("--mode", default=default_mode, metavar="MODE",
-                   help="resident-ar | flash-ar | flash-chain[:GAMMA] (default resident-ar; with --socket, "
-                        "the daemon's mode)")
+                   help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
+                        "optionally +no-overlap / +fixed-tree (default resident-ar; with --socket, the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",
                    help="DRAM budget such as 1GiB or 800MB, or 'unlimited'; what does not fit streams from flash "
                         "(default: 1GiB for the flash modes, unlimited for resident-ar)")
     g.add_argument("--gamma", type=int, default=None, help="draft chain length of flash-chain (default 8)")
     g.add_argument("--flash-bandwidth", default=None, metavar="RATE",
                    help="cap flash reads to emulate a slower device, e.g. 800MB (bytes per second)")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="ablation: do not draft the next tree while the target verifies (cross-step drafting)")
+    g.add_argument("--fixed-tree", action="store_true",
+                   help="ablation: lever verifies the whole drafted tree instead of the gain/cost plan")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -45,8 +45,21 @@ def default_budget(mode: str, text: str | None) -> int | None:
     return parse_size(text)
 
 
+MODE_FLAGS = ("no-overlap", "fixed-tree")  # ablations: no cross-step drafting; lever without its planner
+
+
+def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
+    """'lever:32+no-overlap' -> ('lever:32', {'no-overlap'}); a budget suffix '@SIZE' is dropped."""
+    base, *flags = text.split("@")[0].split("+")
+    bad = [f for f in flags if f not in MODE_FLAGS]
+    if bad:
+        raise ConfigError(f"unknown mode flag {bad[0]!r} in {text!r}; flags: {', '.join(MODE_FLAGS)}")
+    return base, frozenset(flags)
+
+
 def parse_mode(text: str, gamma: int | None = None) -> tuple[str, int]:
     """'flash-chain:8' -> ('flash-chain', 8). The parameter is the chain length (flash-tree: node count)."""
+    text, _ = parse_mode_flags(text)
     name, _, param = text.partition(":")
     if name not in MODES:
         raise ConfigError(f"unknown mode {name!r}; modes: {', '.join(MODES)} (flash-chain takes :GAMMA, "
@@ -77,6 +90,22 @@ class EngineConfig:
     lane: LaneConfig = field(default_factory=LaneConfig)
     trace: str | None = None
     build_threads: int = 1
+    overlap: bool = True  # cross-step drafting: draft the likely next tree while the target verifies
+    fixed_tree: bool = False  # lever without its planner: verify the whole drafted tree
+
+    def with_mode(self, text: str) -> "EngineConfig":
+        """This configuration running ``text`` (e.g. 'lever:32+no-overlap')."""
+        from dataclasses import replace
+
+        name, gamma = parse_mode(text)
+        _, flags = parse_mode_flags(text)
+        budget = self.dram_budget
+        if "@" in text:  # 'flash-ar@512MiB': this mode's own DRAM budget
+            budget = parse_size(text.split("@", 1)[1])
+        elif name != "resident-ar" and budget is None and self.mode == "resident-ar":
+            budget = parse_size(DEFAULT_FLASH_BUDGET)
+        return replace(self, mode=name, gamma=gamma, overlap=self.overlap and "no-overlap" not in flags,
+                       fixed_tree=self.fixed_tree or "fixed-tree" in flags, dram_budget=budget)
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
@@ -96,10 +125,17 @@ class EngineConfig:
             lane=LaneConfig(threads=args.threads, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
                             precision=args.precision),
             trace=getattr(args, "trace", None), build_threads=getattr(args, "build_threads", 1),
+            overlap=not getattr(args, "no_overlap", False) and "no-overlap" not in parse_mode_flags(mode_text)[1],
+            fixed_tree=getattr(args, "fixed_tree", False) or "fixed-tree" in parse_mode_flags(mode_text)[1],
         )
 
     def mode_string(self) -> str:
-        return f"{self.mode}:{self.gamma}" if self.drafted else self.mode
+        text = f"{self.mode}:{self.gamma}" if self.drafted else self.mode
+        if self.drafted and not self.overlap:
+            text += "+no-overlap"
+        if self.mode == "lever" and self.fixed_tree:
+            text += "+fixed-tree"
+        return text
 
     @property
     def drafted(self) -> bool:

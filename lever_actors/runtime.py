@@ -39,6 +39,18 @@ from protocols import Abort, DraftRequest, VerifyPlan
 # Channel capacities, one table (STYLE 8.7). One pass is in flight at a time, so
 # every link carries at most one message per pass; 1 is enough and keeps
 # backpressure tight. The release link is sized to the pool (see FlashPrefetcher).
+def _main_path(drafted: list[int], parents: list[int], probs) -> list[int]:
+    """Tokens of the tree's most likely path from the root (node 0): the best-scored child at each step."""
+    kids: dict[int, list[int]] = {}
+    for i in range(1, len(parents)):
+        kids.setdefault(parents[i], []).append(i)
+    path, node = [], 0
+    while node in kids:
+        node = max(kids[node], key=lambda i: (probs[i - 1], -i))
+        path.append(drafted[node - 1])
+    return path
+
+
 def _subtree(keep: list[int], drafted, parents, dists, probs):
     """Restrict a drafted tree (node 0 = root) to the ancestor-closed node list ``keep``."""
     new_id = {old: new for new, old in enumerate(keep)}
@@ -69,7 +81,10 @@ class RunStats:
     flash_bytes: int = 0
     io_wait_s: float = 0.0
     compute_s: float = 0.0
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # drafting the driver waited for
+    draft_hidden_s: float = 0.0  # drafting done beside verification (cross-step, assumption held)
+    spec_hits: int = 0
+    spec_misses: int = 0
     pass_s: float = 0.0
     accept_hist: dict = field(default_factory=dict)
     tree_sizes: list = field(default_factory=list)
@@ -81,6 +96,7 @@ class RunStats:
             "mean_accepted": self.committed / p, "n_tokens": self.committed,
             "flash_bytes_read": self.flash_bytes, "flash_bytes_per_token": self.flash_bytes / max(self.committed, 1),
             "io_s": io_busy_s, "io_wait_s": self.io_wait_s, "compute_s": self.compute_s, "draft_s": self.draft_s,
+            "draft_hidden_s": self.draft_hidden_s, "spec_hits": self.spec_hits, "spec_misses": self.spec_misses,
             "pass_s": self.pass_s, "io_s_per_pass": io_busy_s / p, "compute_s_per_pass": self.compute_s / p,
             "stall_s_per_pass": self.io_wait_s / p,  # verification lane waiting for its next layer
             "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
@@ -181,6 +197,8 @@ class Pipeline:
         root = commit.tokens[-1]
         new_committed = list(commit.tokens)  # tokens the draft has not seen, root last
         prev_accepted: tuple[int, ...] = ()
+        spec_ready = None  # the next tree, drafted during the last pass under an assumption that held
+        confirmed = False  # tell the drafter whether its pending assumption held
         t_decode = time.perf_counter()
         while True:
             take = commit.tokens[: max_tokens - len(out)]
@@ -195,17 +213,21 @@ class Pipeline:
             step += 1
             t_pass = time.perf_counter()
             if gamma:
-                await self.draft_send.send(DraftRequest(
-                    session_id=sid, step=step, epoch=0, root_token=root, position=len(prompt_ids) + len(out) - 1,
-                    max_nodes=draft_cap, max_depth=max_depth, top_k=top_k, committed=tuple(new_committed),
-                    **sampling))
-                exp = await self._receive(self.draft_recv, sid)
+                if spec_ready is not None:  # drafted while the last pass verified: nothing to wait for
+                    exp, spec_ready = spec_ready, None
+                    stats.draft_hidden_s += exp.draft_s
+                else:
+                    await self.draft_send.send(DraftRequest(
+                        session_id=sid, step=step, epoch=0, root_token=root, position=len(prompt_ids) + len(out) - 1,
+                        max_nodes=draft_cap, max_depth=max_depth, top_k=top_k, committed=tuple(new_committed),
+                        confirmed=confirmed, **sampling))
+                    exp = await self._receive(self.draft_recv, sid)
+                    stats.draft_s += exp.draft_s
                 drafted = [int(t) for t in exp.tokens]
                 tree_parents = [-1] + [int(p) + 1 for p in exp.parents]
                 dists = exp.dists
-                stats.draft_s += exp.draft_s
                 probs = exp.draft_probs
-                if cfg.mode == "lever" and params.greedy:
+                if cfg.mode == "lever" and params.greedy and not cfg.fixed_tree:
                     # (sampled trees are verified whole: choosing siblings by the tokens drawn
                     # would bias speculative sampling)
                     keep = self.lever.select(np.asarray(tree_parents), np.concatenate([[1.0], exp.draft_probs]), gamma)
@@ -224,6 +246,19 @@ class Pipeline:
                 session_id=sid, step=step, epoch=0, position=len(prompt_ids) + len(out) - 1, tokens=tokens,
                 parents=parents, depths=depths, bucket=k,
                 prev_accepted=prev_accepted, want_logits=not params.greedy, draft_dists=dists, **sampling))
+            assume = None
+            if gamma and cfg.overlap and drafted:
+                # cross-step drafting: while the target verifies, draft the tree that follows the
+                # most likely outcome (the main path accepted, then the draft's own next token)
+                assume = _main_path(drafted, tree_parents, probs)
+                if not self.eos.intersection(assume) and len(out) + len(assume) + 1 < max_tokens:
+                    await self.draft_send.send(DraftRequest(
+                        session_id=sid, step=step + 1, epoch=0, root_token=root,
+                        position=len(prompt_ids) + len(out) - 1, max_nodes=draft_cap, max_depth=max_depth,
+                        top_k=top_k, speculative=True, assume=tuple(assume), confirmed=confirmed, **sampling))
+                    confirmed = False
+                else:
+                    assume = None
             commit = await self._receive(self.commit_recv, sid)
             ps = await self._receive(self.stats_recv, sid)
             stats.compute_s += ps.compute_s
@@ -234,13 +269,20 @@ class Pipeline:
             stats.draft_n_accepted += len(commit.tokens) - 1
             stats.committed += len(commit.tokens)
             stats.accept_hist[len(commit.tokens)] = stats.accept_hist.get(len(commit.tokens), 0) + 1
-            if cfg.mode == "lever" and params.greedy:
+            if cfg.mode == "lever" and params.greedy and not cfg.fixed_tree:
                 self.lever.observe(parents, depths, np.concatenate([[1.0], probs]), commit.accepted_nodes,
                                    pass_s=time.perf_counter() - t_pass, compute_s=ps.compute_s, draft_s=exp.draft_s)
                 draft_cap = self.lever.next_draft_size(gamma)
             prev_accepted = commit.accepted_nodes
             root = commit.tokens[-1]
             new_committed = list(commit.tokens)
+            if assume is not None:
+                spec = await self._receive(self.draft_recv, sid)
+                if list(commit.tokens) == assume + [int(spec.root_token)]:
+                    spec_ready, confirmed, new_committed = spec, True, []
+                    stats.spec_hits += 1
+                else:
+                    stats.spec_misses += 1  # its drafting ran beside verification: only the guess is lost
         stats.flash_bytes = self.prefetcher.bytes_read - io_before
         d = stats.as_dict(self.tracer.busy("flash") - t_io0)
         # share of flash-read time hidden behind builds, layer compute or drafting

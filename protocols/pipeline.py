@@ -124,7 +124,7 @@ class LayerReleased(PipelineMessage):
 class DraftRequest(PipelineMessage):
     """-> Drafter: grow a candidate tree below ``root_token`` at sequence ``position``."""
     KIND: ClassVar[str] = "draft.request"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     root_token: int
     position: int        # sequence position of root_token
     max_nodes: int
@@ -137,10 +137,24 @@ class DraftRequest(PipelineMessage):
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    # v3: cross-step drafting. A speculative request arrives while the last tree is being
+    # verified: the drafter assumes ``assume`` (a path of that tree) is accepted and that its
+    # own top choice follows it as the new root, and drafts the next tree from there
+    # (``root_token``/``position`` are then ignored; the expansion names the root it chose).
+    # Every request settles the pending speculation first: ``confirmed`` (the assumption held,
+    # ``committed`` then counts from after it) or not (undo it, keeping the rows the
+    # committed tokens share with it).
+    speculative: bool = False
+    assume: tuple[int, ...] = ()
+    confirmed: bool = False
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
         return body  # v2 only adds fields with defaults
+
+    @staticmethod
+    def upgrade_from_2(body: dict) -> dict:
+        return body  # v3 only adds fields with defaults
 
     def _check(self) -> None:
         _non_negative(self, "root_token", "position", "max_nodes", "max_depth")

@@ -56,14 +56,16 @@ def ar_tokens(tiny_bundles):
     return reference(tiny_bundles)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("draft_kind", ["perturbed", "exact", "unrelated"])
 @pytest.mark.parametrize("mode,size", [("flash-chain", 1), ("flash-chain", 3), ("flash-chain", 7),
                                        ("flash-tree", 2), ("flash-tree", 9), ("flash-tree", 24)])
-def test_greedy_speculation_equals_resident_ar(tiny_bundles, unrelated_draft, ar_tokens, draft_kind, mode, size):
+def test_greedy_speculation_equals_resident_ar(tiny_bundles, unrelated_draft, ar_tokens, draft_kind, mode, size,
+                                               overlap):
     target = tiny_bundles[0]
     draft = {"perturbed": tiny_bundles[1], "exact": target, "unrelated": unrelated_draft}[draft_kind]
     ids = tokenizer(target).encode(PROMPT)
-    cfg = EngineConfig(mode=mode, gamma=size, context=CONTEXT, dram_budget=24 * 2**20)
+    cfg = EngineConfig(mode=mode, gamma=size, context=CONTEXT, dram_budget=24 * 2**20, overlap=overlap)
     toks, stats, _ = trio.run(generate, cfg, target, draft, ids)
     assert toks == ar_tokens
     if draft_kind == "exact":  # a draft that is the target is always right: its top choice is always in
@@ -72,6 +74,14 @@ def test_greedy_speculation_equals_resident_ar(tiny_bundles, unrelated_draft, ar
             assert stats["draft_n_accepted"] == stats["draft_n"]
     if draft_kind == "unrelated":
         assert stats["draft_n_accepted"] < stats["draft_n"] / 2
+    if not overlap:
+        assert stats["spec_hits"] == stats["spec_misses"] == 0
+    elif draft_kind == "exact" and mode == "flash-chain":
+        # every assumption holds (whole chain accepted, the draft's next token is the target's):
+        # after the first pass no drafting is waited for
+        assert stats["spec_misses"] == 0 and stats["spec_hits"] >= stats["passes"] - 2
+    elif draft_kind == "unrelated":
+        assert stats["spec_misses"] > stats["spec_hits"]  # wrong guesses are undone, output unchanged
 
 
 def _min_budget(target, draft=None) -> int:
