@@ -76,6 +76,12 @@ def summarize(rows: list[dict]) -> dict:
         "overlap": _median([r["stats"].get("overlap", 1.0) for r in rows]),
         "draft_n": sum(r["stats"].get("draft_n", 0) for r in rows),
         "draft_n_accepted": sum(r["stats"].get("draft_n_accepted", 0) for r in rows),
+        # cross-step drafting: how often the tree drafted during a pass was the one needed next
+        "spec_hits": sum(r["stats"].get("spec_hits", 0) for r in rows),
+        "spec_misses": sum(r["stats"].get("spec_misses", 0) for r in rows),
+        "draft_hidden_s_per_pass": sum(r["stats"].get("draft_hidden_s", 0) for r in rows) / max(passes, 1),
+        "mean_tree_nodes": _median([r["stats"]["mean_tree_nodes"] for r in rows
+                                    if r["stats"].get("mean_tree_nodes") is not None]),
         "ttft_s": _median([r["prefill_s"] for r in rows]),
     }
 

@@ -5,11 +5,11 @@ Pure numpy, no trio. For a candidate tree ``T`` (node 0 = root):
 * gain ``G(T) = 1 + sum_v p(v)``, ``p(v)`` the calibrated probability that the path
   root->v is accepted: the product over the path of ``acc(depth, draft-prob bin)``,
   learned online from verified passes (:class:`AcceptanceCalibration`);
-* cost ``C(T) = draft_s + pass_fixed_s + compute_per_node_s * |T|``: the part of a
-  pass that does not depend on the tree (flash reads and session builds of
-  streamed layers, overlapped as the pipeline overlaps them) plus the part that
-  grows with the number of verified nodes; every term is measured on the running
-  machine and updated after each pass (:class:`CostModel`).
+* cost ``C(T) = max(floor, c0 + c1*|T|) + draft_wait(|T|)``: verification
+  compute grows with the verified nodes but hides behind the pass's flash reads
+  (the floor) until it exceeds them, and drafting costs only what the driver
+  waited for; every term is measured on the running machine and updated after
+  each pass (:class:`CostModel`).
 
 :func:`plan_tree` grows the subtree greedily by best ``p(v)`` (a node is
 eligible once its parent is in) while ``G/C`` rises, within node and depth caps.
@@ -59,28 +59,50 @@ class AcceptanceCalibration:
 
 @dataclass
 class CostModel:
-    """Seconds per pass as a function of tree size, from exponential moving averages."""
+    """Seconds per pass as a function of tree size, learned online.
 
-    pass_fixed_s: float | None = None
-    compute_per_node_s: float | None = None
-    draft_per_node_s: float | None = None
-    alpha: float = 0.3
+    ``cost(n) = max(floor, c0 + c1*n) + draft_per_node * n``: verification compute
+    grows linearly with the verified nodes (``c0 + c1*n``, an exponentially
+    weighted least-squares fit over the passes seen), but a pass never takes less
+    than its ``floor`` (flash reads of the streamed layers, which the compute
+    overlaps); drafting adds only the part the driver waited for (cross-step
+    drafting hides the rest).
+    """
+
+    alpha: float = 0.25
+    floor_s: float | None = None
+    draft_per_node_s: float = 0.0
+    _sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # weights of 1, n, n^2, c, n*c
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
     def observe(self, n_nodes: int, pass_s: float, compute_s: float, draft_s: float) -> None:
-        per_node = compute_s / max(n_nodes, 1)
-        self.compute_per_node_s = self._ema(self.compute_per_node_s, per_node)
-        self.pass_fixed_s = self._ema(self.pass_fixed_s, max(pass_s - draft_s - per_node * n_nodes, 0.0))
-        self.draft_per_node_s = self._ema(self.draft_per_node_s, draft_s / max(n_nodes - 1, 1))
+        n = float(max(n_nodes, 1))
+        self._sums = (1 - self.alpha) * self._sums + self.alpha * np.array([1.0, n, n * n, compute_s, n * compute_s])
+        self.floor_s = self._ema(self.floor_s, max(pass_s - draft_s, compute_s))
+        self.draft_per_node_s = (1 - self.alpha) * self.draft_per_node_s + self.alpha * draft_s / n
 
     @property
     def ready(self) -> bool:
-        return self.pass_fixed_s is not None
+        return self.floor_s is not None
+
+    def compute_line(self) -> tuple[float, float]:
+        """(c0, c1) of compute(n) = c0 + c1*n; the slope is never below the mean cost per node / 4."""
+        w, sn, snn, sc, snc = self._sums
+        mean_n, mean_c = sn / w, sc / w
+        var = snn / w - mean_n * mean_n
+        c1 = (snc / w - mean_n * mean_c) / var if var > 1e-9 * max(mean_n * mean_n, 1.0) else mean_c / mean_n
+        c1 = max(c1, mean_c / mean_n / 4)
+        return mean_c - c1 * mean_n, c1
+
+    @property
+    def compute_per_node_s(self) -> float:
+        return self.compute_line()[1]
 
     def cost(self, n_nodes: int) -> float:
-        return (self.pass_fixed_s + (self.compute_per_node_s + self.draft_per_node_s) * n_nodes)
+        c0, c1 = self.compute_line()
+        return max(self.floor_s, c0 + c1 * n_nodes) + self.draft_per_node_s * n_nodes
 
 
 def path_probabilities(parents: np.ndarray, cond: np.ndarray) -> np.ndarray:
@@ -126,7 +148,7 @@ class LeverPolicy:
 
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     costs: CostModel = field(default_factory=CostModel)
-    max_depth: int = 12
+    max_depth: int = 16
     last_size: int = 0
 
     def select(self, parents: np.ndarray, draft_probs: np.ndarray, max_nodes: int) -> list[int]:

@@ -169,7 +169,10 @@ class Pipeline:
         if cfg.mode == "flash-chain":
             top_k, max_depth = 1, gamma
         else:
-            top_k, max_depth = TREE_TOP_K, max(1, min(-(-gamma // TREE_WIDTH), TREE_MAX_DEPTH))
+            # lever: deep and narrow (this pair's draft is sharp, so depth pays), width 2 to rescue a
+            # miss at any depth; flash-tree: the fixed TREE_WIDTH-wide shape
+            width = 2 if cfg.mode == "lever" else TREE_WIDTH
+            top_k, max_depth = TREE_TOP_K, max(1, min(-(-gamma // width), TREE_MAX_DEPTH))
         draft_cap = gamma
         check_context(len(prompt_ids), max_tokens, self.target.context, slack=gamma + 1)
         self.session_id += 1
@@ -213,7 +216,8 @@ class Pipeline:
             step += 1
             t_pass = time.perf_counter()
             if gamma:
-                if spec_ready is not None:  # drafted while the last pass verified: nothing to wait for
+                drafted_ahead = spec_ready is not None
+                if drafted_ahead:  # drafted while the last pass verified: nothing to wait for
                     exp, spec_ready = spec_ready, None
                     stats.draft_hidden_s += exp.draft_s
                 else:
@@ -271,7 +275,8 @@ class Pipeline:
             stats.accept_hist[len(commit.tokens)] = stats.accept_hist.get(len(commit.tokens), 0) + 1
             if cfg.mode == "lever" and params.greedy and not cfg.fixed_tree:
                 self.lever.observe(parents, depths, np.concatenate([[1.0], probs]), commit.accepted_nodes,
-                                   pass_s=time.perf_counter() - t_pass, compute_s=ps.compute_s, draft_s=exp.draft_s)
+                                   pass_s=time.perf_counter() - t_pass, compute_s=ps.compute_s,
+                                   draft_s=0.0 if drafted_ahead else exp.draft_s)
                 draft_cap = self.lever.next_draft_size(gamma)
             prev_accepted = commit.accepted_nodes
             root = commit.tokens[-1]

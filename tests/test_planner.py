@@ -62,9 +62,20 @@ def test_calibration_learns_from_observations():
     assert cal.conditional([2], [0.6])[0] < 0.05
 
 
-def test_cost_model_separates_fixed_and_per_node_time():
+def test_cost_model_learns_the_compute_line_and_the_io_floor():
+    cm = CostModel(alpha=0.2)
+    for _ in range(3):
+        for n in (4, 8, 16, 32):  # compute 0.1 + 0.01 n, flash floor 0.3 s, no drafting waited for
+            cm.observe(n_nodes=n, pass_s=max(0.3, 0.1 + 0.01 * n), compute_s=0.1 + 0.01 * n, draft_s=0.0)
+    c0, c1 = cm.compute_line()
+    assert abs(c1 - 0.01) < 1e-9 and abs(c0 - 0.1) < 1e-9
+    assert 0.3 <= cm.cost(4) <= cm.floor_s + 1e-12  # below the floor, nodes are free
+    assert cm.cost(64) > cm.cost(32) > cm.cost(16)  # above it, every node costs compute
+
+
+def test_cost_model_charges_waited_drafting():
     cm = CostModel(alpha=1.0)
     cm.observe(n_nodes=10, pass_s=1.5, compute_s=0.2, draft_s=0.3)
-    assert abs(cm.compute_per_node_s - 0.02) < 1e-12
-    assert abs(cm.pass_fixed_s - 1.0) < 1e-12
+    assert abs(cm.draft_per_node_s - 0.03) < 1e-12
+    assert abs(cm.floor_s - 1.2) < 1e-12
     assert cm.cost(20) > cm.cost(10) > cm.cost(1)
