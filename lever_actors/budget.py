@@ -40,7 +40,7 @@ class BudgetPlan:
         return sum(self.items.values()) + pinned + self.n_slots * self.slot_bytes
 
     def describe(self) -> str:
-        mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731
+        mib = lambda n: f"{n / 2**20:,.{1 if n < 100 * 2**20 else 0}f} MiB"  # noqa: E731
         parts = [f"{k} {mib(v)}" for k, v in self.items.items()]
         parts.append(f"{len(self.pinned)} pinned layers {mib(self.pinned_bytes)}")
         parts.append(f"{self.n_slots} stream slots x {mib(self.slot_bytes)}")
@@ -85,7 +85,7 @@ def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int
         return BudgetPlan(budget, line, tuple(pinned), streamed, head_streamed, MIN_SLOTS + extra, slot,
                           tuple(layer_bytes), factor)
     need = sum(items.values()) + MIN_SLOTS * slot
-    mib = lambda v: f"{v / 2**20:,.0f} MiB"  # noqa: E731
+    mib = lambda v: f"{v / 2**20:,.{1 if v < 100 * 2**20 else 0}f} MiB"  # noqa: E731
     detail = ", ".join(f"{k} {mib(v)}" for k, v in items.items())
     err = BudgetError(
         f"a DRAM budget of {mib(budget)} cannot run this model pair: the resident minimum is {mib(need)} "

@@ -135,3 +135,32 @@ def test_bench_prompt_sources_refuse_bad_input(tmp_path):
     f.write_text("\n")
     with pytest.raises(ConfigError, match="no prompts"):
         file_prompts(str(f))
+
+
+def test_bench_runs_modes_side_by_side_and_writes_the_documented_json(tiny_bundles, tmp_path, capsys):
+    """`lever-actors bench` end to end on the tiny pair: table, losslessness check, JSON shape."""
+    import json
+
+    from lever_actors.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "for i in range(10):"}\n')
+    out = tmp_path / "bench.json"
+    modes = "resident-ar,flash-ar@3MiB,flash-chain:3+no-overlap,lever:6"
+    rc = main(["bench", "--target", str(tiny_bundles[0]), "--draft", str(tiny_bundles[1]), "--modes", modes,
+               "--prompts", str(prompts), "--max-tokens", "12", "--dram-budget", "24MiB", "--context", "128",
+               "--warmup", "0", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "flash read bandwidth" in text and text.count("identical") == 3
+    data = json.loads(out.read_text())
+    assert list(data["modes"]) == modes.split(",")
+    ref = data["modes"]["resident-ar"]["prompts"]
+    for m, r in data["modes"].items():
+        for key in ("tokens_per_s", "ms_per_token", "mean_accepted", "flash_bytes_per_token", "floor_ms_per_token"):
+            assert isinstance(r[key], float), (m, key)
+        assert [p["index"] for p in r["prompts"]] == [0, 1]
+        assert [p["token_ids"] for p in r["prompts"]] == [p["token_ids"] for p in ref]  # greedy: lossless
+        assert all(isinstance(p["tokens_per_s"], float) for p in r["prompts"])
+    assert data["modes"]["flash-chain:3+no-overlap"]["spec_hits"] == 0
+    assert data["modes"]["flash-ar@3MiB"]["flash_bytes_per_token"] > 0 == data["modes"]["resident-ar"]["flash_bytes_per_token"]
