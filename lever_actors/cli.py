@@ -26,14 +26,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", metavar="BUNDLE", help="draft bundle directory (default: the Qwen2.5-Coder-0.5B bundle)")
     g.add_argument("--context", type=int, default=1024, metavar="N",
                    help="KV cache slots = longest prompt + output (default 1024)")
-    g.add_argument("--threads", type=int, default=1, metavar="N", help="threads of the verification lane (default 1)")
-    g.add_argument("--build-threads", type=int, default=1, metavar="N",
-                   help="streamed layers whose sessions are built at once (default 1)")
+    g.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="threads of the verification lane's kernels (default 1; the draft and flash lanes "
+                        "use the other core)")
     g.add_argument("--precision", choices=("int8", "fp32"), default="int8",
                    help="activation precision: int8 (default; fast, batch-invariant, lossless speculation) "
                         "or fp32 (reference numerics, slow, not batch-invariant)")
     g.add_argument("--providers", default="cpu", metavar="LIST",
-                   help="execution providers of the verification lane, in order: cpu, qnn, nnapi, xnnpack (default cpu)")
+                   help="ONNX Runtime execution providers of resident ORT-layout models (the draft), in order: "
+                        "cpu, qnn, nnapi, xnnpack (default cpu)")
 
 
 def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> None:

@@ -89,7 +89,7 @@ class EngineConfig:
     flash_bandwidth: float | None = None
     lane: LaneConfig = field(default_factory=LaneConfig)
     trace: str | None = None
-    build_threads: int = 1
+    build_threads: int = 1  # lane width for wrapping streamed buffers (instant for native layers)
     overlap: bool = True  # cross-step drafting: draft the likely next tree while the target verifies
     fixed_tree: bool = False  # lever without its planner: verify the whole drafted tree
 
@@ -115,8 +115,6 @@ class EngineConfig:
             raise ConfigError(f"--context must be at least 16, got {args.context}")
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-        if getattr(args, "build_threads", 1) < 1:
-            raise ConfigError(f"--build-threads must be >= 1, got {args.build_threads}")
         bw = getattr(args, "flash_bandwidth", None)
         return cls(
             target=args.target, draft=args.draft, mode=mode, gamma=gamma, model=getattr(args, "model", "target"),
@@ -124,7 +122,7 @@ class EngineConfig:
             flash_bandwidth=parse_size(bw) if bw else None,
             lane=LaneConfig(threads=args.threads, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
                             precision=args.precision),
-            trace=getattr(args, "trace", None), build_threads=getattr(args, "build_threads", 1),
+            trace=getattr(args, "trace", None),
             overlap=not getattr(args, "no_overlap", False) and "no-overlap" not in parse_mode_flags(mode_text)[1],
             fixed_tree=getattr(args, "fixed_tree", False) or "fixed-tree" in parse_mode_flags(mode_text)[1],
         )
