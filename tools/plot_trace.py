@@ -40,7 +40,7 @@ def main() -> None:
     ax.set_xlim(0, a.seconds * 1e3)
     ax.set_xlabel("ms")
     ax.invert_yaxis()
-    ax.set_title("lever-actors timeline: flash reads, session builds, layer compute, drafting, passes")
+    ax.set_title("lever-actors timeline: flash reads, layer compute (npu), drafting (cpu), passes")
     fig.tight_layout()
     fig.savefig(a.out, dpi=120)
     print(a.out)
