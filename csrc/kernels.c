@@ -371,20 +371,23 @@ static void dequant_block(int type, const uint8_t *b, float *w) {
     }
 }
 
-/* 256-element fp32 dot: eight lane partials (fused multiply-add), combined in a fixed tree. */
-static inline float dot_f32(const float *w, const float *x) {
+/* fp32 dot over d (a multiple of 8): eight lane partials (fused multiply-add), combined in a
+ * fixed tree, so the result depends only on the operands, never on what else runs */
+static inline float dot_d(const float *a, const float *b, int64_t d) {
 #ifdef LEVER_AVX2
     __m256 p = _mm256_setzero_ps();
-    for (int e = 0; e < QK; e += 8) p = _mm256_fmadd_ps(_mm256_loadu_ps(w + e), _mm256_loadu_ps(x + e), p);
+    for (int64_t e = 0; e < d; e += 8) p = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), p);
     float l[8];
     _mm256_storeu_ps(l, p);
 #else
     float l[8] = {0};
-    for (int e = 0; e < QK; e += 8)
-        for (int j = 0; j < 8; j++) l[j] = fmaf(w[e + j], x[e + j], l[j]);
+    for (int64_t e = 0; e < d; e += 8)
+        for (int j = 0; j < 8; j++) l[j] = fmaf(a[e + j], b[e + j], l[j]);
 #endif
     return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
+
+static inline float dot_f32(const float *w, const float *x) { return dot_d(w, x, QK); }
 
 /* ------------------------------------------------------------------- driver */
 
@@ -593,20 +596,6 @@ done:
  * autoregressive step. Everything below runs in that order with one lane per
  * head dimension, so a tree node's output is bit-identical to the one it would
  * get decoded alone, and no masked key costs anything. */
-
-static inline float dot_d(const float *a, const float *b, int64_t d) {
-#ifdef LEVER_AVX2
-    __m256 p = _mm256_setzero_ps();
-    for (int64_t e = 0; e < d; e += 8) p = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), p);
-    float l[8];
-    _mm256_storeu_ps(l, p);
-#else
-    float l[8] = {0};
-    for (int64_t e = 0; e < d; e += 8)
-        for (int j = 0; j < 8; j++) l[j] = fmaf(a[e + j], b[e + j], l[j]);
-#endif
-    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-}
 
 static inline void axpy_d(float p, const float *v, float *acc, int64_t d) {
 #ifdef LEVER_AVX2
