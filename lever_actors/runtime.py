@@ -225,6 +225,7 @@ class Pipeline:
                         session_id=sid, step=step, epoch=0, root_token=root, position=len(prompt_ids) + len(out) - 1,
                         max_nodes=draft_cap, max_depth=max_depth, top_k=top_k, committed=tuple(new_committed),
                         confirmed=confirmed, **sampling))
+                    confirmed = False  # the drafter has settled its assumption
                     exp = await self._receive(self.draft_recv, sid)
                     stats.draft_s += exp.draft_s
                 drafted = [int(t) for t in exp.tokens]
