@@ -55,10 +55,14 @@ class Drafter:
         self.children, self.fed = {}, []
         return actual[keep:]
 
-    def _speculate(self, path: list[int]) -> tuple[int, np.ndarray]:
-        """Commit ``path`` (nodes of the last tree) and the draft's top choice after it: (root, hidden)."""
+    def _speculate(self, path: list[int], hidden: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+        """Commit ``path`` (nodes of the last tree) and the draft's top choice after it: (root, hidden).
+
+        An empty ``path`` assumes from the last committed token, whose ``hidden`` row the caller has.
+        """
         base = self.m.kv.length
-        hidden = self._sync(path)
+        if path:
+            hidden = self._sync(path)
         root = int(np.argmax(self.m.logits(hidden)[0]))
         self.pending = (base, path + [root])
         return root, self._feed([root])
@@ -122,7 +126,9 @@ class Drafter:
             else:
                 committed = self._undo_speculation(committed)  # scratch rows are gone: feed what is left
         if req.speculative:
-            root, hidden = self._speculate(list(req.assume))
+            # with new tokens (a prompt, during its prefill pass) digest them first
+            hidden = self._sync(committed) if committed else None
+            root, hidden = self._speculate(list(req.assume), hidden)
             position = req.position + len(req.assume) + 1
         else:
             hidden = self._sync(committed)

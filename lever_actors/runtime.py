@@ -183,17 +183,21 @@ class Pipeline:
         io_before = self.prefetcher.bytes_read
         t_io0 = self.tracer.busy("flash")
         t_start = self.tracer.now_s()
-        if self.drafter is not None:  # the draft digests the prompt while the target prefills
-            await self.draft_send.send(DraftRequest(session_id=sid, step=0, epoch=0, root_token=prompt_ids[-1],
-                                                    position=len(prompt_ids) - 1, max_nodes=0, max_depth=0, top_k=1,
-                                                    committed=tuple(prompt_ids), reset=True, **sampling))
+        spec_first = self.drafter is not None and gamma > 0 and cfg.overlap
+        if self.drafter is not None:
+            # the draft digests the prompt while the target prefills and, with cross-step drafting,
+            # already drafts the first tree after its own guess of the first token
+            await self.draft_send.send(DraftRequest(
+                session_id=sid, step=0, epoch=0, root_token=prompt_ids[-1], position=len(prompt_ids) - 1,
+                max_nodes=draft_cap if spec_first else 0, max_depth=max_depth if spec_first else 0,
+                top_k=top_k if spec_first else 1, committed=tuple(prompt_ids), reset=True,
+                speculative=spec_first, **sampling))
         n = len(prompt_ids)
         await self.plan_send.send(VerifyPlan(
             session_id=sid, step=0, epoch=0, position=0, tokens=np.asarray(prompt_ids, np.int32),
             parents=np.arange(-1, n - 1, dtype=np.int32), depths=np.arange(n, dtype=np.int32), bucket=n,
             prefill=True, want_logits=not params.greedy, **sampling))
-        if self.drafter is not None:
-            await self._receive(self.draft_recv, sid)
+        first_tree = await self._receive(self.draft_recv, sid) if self.drafter is not None else None
         commit = await self._receive(self.commit_recv, sid)
         await self._receive(self.stats_recv, sid)
         step, finish = 0, "length"
@@ -202,6 +206,12 @@ class Pipeline:
         prev_accepted: tuple[int, ...] = ()
         spec_ready = None  # the next tree, drafted during the last pass under an assumption that held
         confirmed = False  # tell the drafter whether its pending assumption held
+        if spec_first:
+            if list(commit.tokens) == [int(first_tree.root_token)]:
+                spec_ready, confirmed, new_committed = first_tree, True, []
+                stats.spec_hits += 1
+            else:
+                stats.spec_misses += 1
         t_decode = time.perf_counter()
         while True:
             take = commit.tokens[: max_tokens - len(out)]
@@ -238,7 +248,7 @@ class Pipeline:
                     keep = self.lever.select(np.asarray(tree_parents), np.concatenate([[1.0], exp.draft_probs]), gamma)
                     drafted, tree_parents, dists, probs = _subtree(keep, drafted, tree_parents, dists,
                                                                    exp.draft_probs)
-                    stats.tree_sizes.append(len(keep))
+                    stats.tree_sizes.append(len(keep) - 1)  # drafted nodes verified (the root is not drafted)
             else:
                 drafted, tree_parents, dists = [], [-1], None
             tokens = np.asarray([root] + drafted, np.int32)

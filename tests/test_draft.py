@@ -59,3 +59,27 @@ def test_speculation_then_verdict_leaves_the_exact_cache(tiny_bundles, verdict):
     assert spec.m.kv.length == plain.m.kv.length
     for a, b in zip(_prefix(spec), _prefix(plain)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("hit", [True, False])
+def test_speculating_on_the_first_token_during_prefill(tiny_bundles, hit):
+    """The reset request may already assume the first token (the target is still prefilling)."""
+    spec, plain = _drafter(tiny_bundles[1]), _drafter(tiny_bundles[1])
+    first = _req(0, root_token=PROMPT[-1], position=len(PROMPT) - 1, committed=tuple(PROMPT), reset=True)
+    guess = spec.draft(first.__class__(**{**_fields(first), "speculative": True}))
+    assert len(guess.tokens) > 0 and guess.position == len(PROMPT)
+    token = int(guess.root_token) if hit else (int(guess.root_token) + 1) % 50
+    plain.draft(first.__class__(**{**_fields(first), "max_nodes": 0, "max_depth": 0}))
+    nxt = _req(1, root_token=token, position=len(PROMPT), committed=(token,))
+    if not hit:  # a hit needs no request: the driver verifies the tree it already has
+        spec.draft(nxt)
+    plain.draft(nxt)
+    assert spec.m.kv.length == plain.m.kv.length
+    for a, b in zip(_prefix(spec), _prefix(plain)):
+        np.testing.assert_array_equal(a, b)
+
+
+def _fields(msg) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}

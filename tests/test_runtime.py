@@ -212,7 +212,9 @@ def test_lever_planned_trees_are_lossless(tiny_bundles, unrelated_draft, ar_toke
     cfg = EngineConfig(mode="lever", gamma=24, context=CONTEXT, dram_budget=24 * 2**20)
     toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
     assert toks == ar_tokens
-    assert stats["mean_tree_nodes"] is not None and 1 <= stats["mean_tree_nodes"] <= 24
+    assert stats["mean_tree_nodes"] is not None and 0 <= stats["mean_tree_nodes"] <= 24  # drafted nodes verified
+    if draft_kind == "exact":  # every node is accepted: the planner learns that nodes pay
+        assert stats["mean_tree_nodes"] >= 2
     assert pipe.lever.costs.ready and pipe.lever.calibration.seen.sum() > 0
 
 
