@@ -106,6 +106,13 @@ def run_bench(args) -> int:
     return 0
 
 
+def floor_ms_per_token(mode: dict, bytes_per_s: float) -> float:
+    """A mode's floor: its flash bytes per token at the measured read bandwidth, or its compute."""
+    io = mode["flash_bytes_per_token"] / bytes_per_s
+    compute = mode["compute_s_per_pass"] / max(mode["mean_accepted"], 1e-9)
+    return 1000 * max(io, compute)
+
+
 def measure_flash_bandwidth(bundle_dir, limit: int = 512 * 2**20, chunk: int = 32 * 2**20) -> dict:
     """O_DIRECT read bandwidth of the target's layer regions (bytes/s), the floor's denominator."""
     from lever_actors.bundle import load_bundle
@@ -166,10 +173,7 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
     for m in configs:
         r = out["modes"][m]
         r.update(summarize(r["prompts"]))
-        # the floor of a pass: its streamed bytes at the measured read bandwidth, or its compute
-        per_token_io = r["flash_bytes_per_token"] / bw["bytes_per_s"]
-        per_token_compute = r["compute_s_per_pass"] / max(r["mean_accepted"], 1e-9)
-        r["floor_ms_per_token"] = 1000 * max(per_token_io, per_token_compute)
+        r["floor_ms_per_token"] = floor_ms_per_token(r, bw["bytes_per_s"])
         r["vs_floor"] = r["ms_per_token"] / r["floor_ms_per_token"] if r["floor_ms_per_token"] else None
     ref = out["modes"].get("flash-ar", {}).get("tokens_per_s")
     for m in configs:

@@ -93,17 +93,15 @@ class EngineConfig:
     overlap: bool = True  # cross-step drafting: draft the likely next tree while the target verifies
     fixed_tree: bool = False  # lever without its planner: verify the whole drafted tree
 
-    def with_mode(self, text: str) -> "EngineConfig":
-        """This configuration running ``text`` (e.g. 'lever:32+no-overlap')."""
+    def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
+        """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
         from dataclasses import replace
 
-        name, gamma = parse_mode(text)
+        name, gamma = parse_mode(text, gamma)
         _, flags = parse_mode_flags(text)
         budget = self.dram_budget
-        if "@" in text:  # 'flash-ar@512MiB': this mode's own DRAM budget
+        if "@" in text:  # this mode's own DRAM budget
             budget = parse_size(text.split("@", 1)[1])
-        elif name != "resident-ar" and budget is None and self.mode == "resident-ar":
-            budget = parse_size(DEFAULT_FLASH_BUDGET)
         return replace(self, mode=name, gamma=gamma, overlap=self.overlap and "no-overlap" not in flags,
                        fixed_tree=self.fixed_tree or "fixed-tree" in flags, dram_budget=budget)
 
@@ -122,10 +120,9 @@ class EngineConfig:
             flash_bandwidth=parse_size(bw) if bw else None,
             lane=LaneConfig(threads=args.threads, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
                             precision=args.precision),
-            trace=getattr(args, "trace", None),
-            overlap=not getattr(args, "no_overlap", False) and "no-overlap" not in parse_mode_flags(mode_text)[1],
-            fixed_tree=getattr(args, "fixed_tree", False) or "fixed-tree" in parse_mode_flags(mode_text)[1],
-        )
+            trace=getattr(args, "trace", None), overlap=not getattr(args, "no_overlap", False),
+            fixed_tree=getattr(args, "fixed_tree", False),
+        ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
     def mode_string(self) -> str:
         text = f"{self.mode}:{self.gamma}" if self.drafted else self.mode

@@ -53,3 +53,7 @@ def test_in_place_layers_pin_more_in_the_same_budget():
     native = plan_budget(150 * MB, {}, layers, head, in_place=True)
     prepacked = plan_budget(150 * MB, {}, layers, head, in_place=False)
     assert len(native.pinned) > len(prepacked.pinned)
+    # an in-place layer costs its own bytes; a prepacked one carries ORT's copy on top
+    assert native.pinned_bytes == sum(layers[i] for i in native.pinned)
+    assert prepacked.pinned_bytes == sum(int(layers[i] * PREPACK_FACTOR) for i in prepacked.pinned)
+    assert native.slot_bytes == max(layers + head)

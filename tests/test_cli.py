@@ -162,5 +162,39 @@ def test_bench_runs_modes_side_by_side_and_writes_the_documented_json(tiny_bundl
         assert [p["index"] for p in r["prompts"]] == [0, 1]
         assert [p["token_ids"] for p in r["prompts"]] == [p["token_ids"] for p in ref]  # greedy: lossless
         assert all(isinstance(p["tokens_per_s"], float) for p in r["prompts"])
+        # the floor: flash bytes at the measured bandwidth, or compute, whichever is larger
+        io_ms = 1000 * r["flash_bytes_per_token"] / data["flash_read"]["bytes_per_s"]
+        compute_ms = 1000 * r["compute_s_per_pass"] / r["mean_accepted"]
+        assert r["floor_ms_per_token"] == pytest.approx(max(io_ms, compute_ms))
     assert data["modes"]["flash-chain:3+no-overlap"]["spec_hits"] == 0
     assert data["modes"]["flash-ar@3MiB"]["flash_bytes_per_token"] > 0 == data["modes"]["resident-ar"]["flash_bytes_per_token"]
+
+
+def test_floor_is_the_larger_of_flash_time_and_compute():
+    from lever_actors.bench import floor_ms_per_token
+
+    streamed = {"flash_bytes_per_token": 758e6, "compute_s_per_pass": 0.116, "mean_accepted": 1.0}
+    drafted = {"flash_bytes_per_token": 134e6, "compute_s_per_pass": 0.6, "mean_accepted": 6.0}
+    assert floor_ms_per_token(streamed, 2e9) == pytest.approx(379.0)  # I/O-bound: bytes / bandwidth
+    assert floor_ms_per_token(drafted, 2e9) == pytest.approx(100.0)  # compute-bound: 0.6 s per 6 tokens
+
+
+def test_mode_text_carries_flags_and_a_budget_or_fails_clearly():
+    from lever_actors.cli import build_parser
+    from lever_actors.engine import EngineConfig
+
+    def cfg(*argv):
+        return EngineConfig.from_args(build_parser().parse_args(["generate", "x", *argv]))
+
+    c = cfg("--mode", "lever:12+no-overlap+fixed-tree@300MiB")
+    assert (c.mode, c.gamma, c.overlap, c.fixed_tree, c.dram_budget) == ("lever", 12, False, True, 300 * 2**20)
+    assert c.mode_string() == "lever:12+no-overlap+fixed-tree"
+    assert cfg("--mode", "flash-chain", "--gamma", "5", "--no-overlap").mode_string() == "flash-chain:5+no-overlap"
+    assert cfg("--mode", "flash-ar").dram_budget == 2**30  # flash modes default to 1 GiB
+    assert cfg("--mode", "flash-ar", "--dram-budget", "unlimited").dram_budget is None
+    base = EngineConfig(mode="resident-ar", dram_budget=None)
+    assert base.with_mode("flash-ar").dram_budget is None  # 'unlimited' stays unlimited in bench
+    for bad, why in (("lever:12+bogus", "unknown mode flag 'bogus'"), ("flash-ar@lots", "cannot read size"),
+                     ("warp:3", "unknown mode 'warp'")):
+        with pytest.raises(ConfigError, match=why):
+            cfg("--mode", bad)

@@ -143,3 +143,14 @@ def test_tree_nodes_get_the_logits_of_their_own_path(tiny_bundles, context, n_pr
     for leaf in (3, 4, 5):
         for node, row in zip(path(leaf), ar_logits(path(leaf))):
             assert np.array_equal(tree[node], row), f"node {node} on the path to {leaf}"
+
+
+def test_native_layout_refuses_rows_it_cannot_hold():
+    from gguf import GGMLQuantizationType as QT
+
+    from lever_actors.errors import UnsupportedModel
+    from lever_actors.quant import native_weight
+
+    raw = np.zeros((4, 96 // 32 * 34), np.uint8)  # a Q8_0 matrix with 96-element rows (the draft's 896 is alike)
+    with pytest.raises(UnsupportedModel, match="not a multiple of 256.*--layout ort"):
+        native_weight(raw, QT.Q8_0, 96, 4)

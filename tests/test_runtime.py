@@ -228,3 +228,45 @@ def test_main_path_follows_the_most_probable_child():
     assert _main_path(drafted, parents, probs) == [10, 40, 50]
     assert _main_path([], [-1], []) == []
     assert _main_path([7, 8, 9], [-1, 0, 1, 2], [0.1, 0.2, 0.3]) == [7, 8, 9]  # a chain is its own main path
+
+
+@pytest.mark.parametrize("mode,size", [("flash-chain", 3), ("lever", 12)])
+@pytest.mark.parametrize("draft_kind", ["perturbed", "unrelated"])
+def test_draft_cache_holds_exactly_the_committed_sequence(tiny_bundles, unrelated_draft, draft_kind, mode, size):
+    """Whatever cross-step drafting guessed, the draft's committed KV rows are those of prompt + output.
+
+    Losslessness cannot see a drafter that kept a wrong guess (the target corrects every token);
+    this can: the rows must equal a plain prefill of the same tokens, bit for bit.
+    """
+    import numpy as np
+
+    from lever_actors.bundle import load_bundle
+    from lever_actors.model import Transformer
+    from lever_actors.ortrt import LaneConfig
+
+    target = tiny_bundles[0]
+    draft = {"perturbed": tiny_bundles[1], "unrelated": unrelated_draft}[draft_kind]
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode=mode, gamma=size, context=CONTEXT, dram_budget=24 * 2**20)
+    toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
+    assert stats["spec_hits"] + stats["spec_misses"] > 0
+    d = pipe.drafter
+    n = d.pending[0] if d.pending else d.m.kv.length  # a last assumption may still be pending
+    assert len(ids) <= n <= len(ids) + len(toks)
+    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig())
+    ref.prefill((ids + toks)[:n])
+    np.testing.assert_array_equal(d.m.kv.k[:, :, :n], ref.kv.k[:, :, :n])
+    np.testing.assert_array_equal(d.m.kv.v[:, :, :n], ref.kv.v[:, :, :n])
+
+
+def test_an_ort_layout_target_refuses_to_stream(tiny_bundles):
+    """Only native layers compute from their read buffer; an ORT bundle says how to fix it."""
+    from lever_actors.errors import ConfigError
+
+    ort_bundle = tiny_bundles[1]  # the tiny draft is converted in the ORT layout, like the real one
+    ids = tokenizer(ort_bundle).encode(PROMPT)
+    cfg = EngineConfig(mode="flash-ar", context=CONTEXT, dram_budget=24 * 2**20)
+    with pytest.raises(ConfigError, match="cannot stream from flash.*--layout native"):
+        trio.run(generate, cfg, ort_bundle, None, ids)
+    toks, _, _ = trio.run(generate, EngineConfig(mode="resident-ar", context=CONTEXT), ort_bundle, None, ids)
+    assert toks  # resident, it runs
