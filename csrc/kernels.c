@@ -199,6 +199,17 @@ static inline int32_t dot_i8(const int8_t *w, const int8_t *a) {
  * into registers and reused for every activation row; each output keeps 16 float
  * lanes (acc + 16*i) across blocks and is reduced once at the end, so no
  * horizontal sum runs per block. Same instructions for every row and every N. */
+/* 256 unsigned weight codes (w, four registers of 64) times 256 int8 activations, each
+ * 16-bit pair product scaled by its sub-block's scale (scl): 16 int32 lane sums */
+static inline __m512i dot256_512(const __m512i *w, const __m512i *scl, const int8_t *a) {
+    __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+    t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(w[0], _mm512_loadu_si512(a)), scl[0]);
+    t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[1], _mm512_loadu_si512(a + 64)), scl[1]);
+    t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(w[2], _mm512_loadu_si512(a + 128)), scl[2]);
+    t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[3], _mm512_loadu_si512(a + 192)), scl[3]);
+    return _mm512_add_epi32(t0, t1);
+}
+
 static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
                           const int32_t *bsums, float *acc) {
     const int64_t nsb = k / QK;
@@ -231,16 +242,12 @@ static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
     const __m512i mnv = _mm512_permutexvar_epi32(_mm512_loadu_si512(PAIRS), _mm512_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
     for (int64_t i = 0; i < n; i++) {
         const int8_t *a = q + i * k + s * QK;
-        __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
-        t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(w[0], _mm512_loadu_si512(a)), scl[0]);
-        t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[1], _mm512_loadu_si512(a + 64)), scl[1]);
-        t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(w[2], _mm512_loadu_si512(a + 128)), scl[2]);
-        t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[3], _mm512_loadu_si512(a + 192)), scl[3]);
+        const __m512i t = dot256_512(w, scl, a);
         /* lane-wise: acc += dx*dw * isum_lanes - dx*dmin * msum_lanes (reduced once per output) */
         const float dx = d[i * nsb + s];
         __m512i ms = _mm512_mullo_epi32(_mm512_loadu_si512(bsums + (i * nsb + s) * 16), mnv);
         __m512 a16 = _mm512_loadu_ps(acc + 16 * i);
-        a16 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), _mm512_set1_ps(dx * dw), a16);
+        a16 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dx * dw), a16);
         a16 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_set1_ps(-(dx * dmin)), a16);
         _mm512_storeu_ps(acc + 16 * i, a16);
     }
@@ -276,13 +283,8 @@ static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
     const __m512i sc32 = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)), 5); /* 32*sc[j] */
     for (int64_t i = 0; i < n; i++) {
         const int8_t *a = q + i * k + s * QK;
-        __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
-        t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(w[0], _mm512_loadu_si512(a)), scl[0]);
-        t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[1], _mm512_loadu_si512(a + 64)), scl[1]);
-        t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(w[2], _mm512_loadu_si512(a + 128)), scl[2]);
-        t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(w[3], _mm512_loadu_si512(a + 192)), scl[3]);
         __m512i off = _mm512_mullo_epi32(_mm512_loadu_si512(bsums + (i * nsb + s) * 16), sc32);
-        __m512i it = _mm512_sub_epi32(_mm512_add_epi32(t0, t1), off);
+        __m512i it = _mm512_sub_epi32(dot256_512(w, scl, a), off);
         __m512 a16 = _mm512_loadu_ps(acc + 16 * i);
         _mm512_storeu_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(it), _mm512_set1_ps(d[i * nsb + s] * dw), a16));
     }
@@ -457,25 +459,36 @@ static void *run_job(void *arg) {
     return NULL;
 }
 
+/* Run jobs[0..n) (each `size` bytes) with `fn`: job 0 on the calling thread, the others on
+ * their own threads (inline when a thread cannot be created). */
+static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int n) {
+    pthread_t tid[16];
+    int started[16] = {0};
+    for (int t = 1; t < n; t++) started[t] = pthread_create(&tid[t], NULL, fn, (char *)jobs + t * size) == 0;
+    fn(jobs);
+    for (int t = 1; t < n; t++) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else fn((char *)jobs + t * size);
+    }
+}
+
+static int clamp_threads(int threads, int64_t work, int64_t min_per_thread) {
+    if (threads > 16) threads = 16;
+    while (threads > 1 && work < min_per_thread * threads) threads--;
+    return threads < 1 ? 1 : threads;
+}
+
 /* Split weight rows [0, m) across `threads` (each row's reduction stays in one thread). */
 static int run_split(Job proto, int64_t m, int threads) {
-    if (threads < 1) threads = 1;
-    if (threads > 16) threads = 16;
-    if (m < 64 * threads) threads = 1;
+    threads = clamp_threads(threads, m, 64);  /* at least 64 rows per thread */
     Job jobs[16];
-    pthread_t tid[16];
-    int started[16] = {0}, failed = 0;
+    int failed = 0;
     for (int t = 0; t < threads; t++) {
         jobs[t] = proto;
         jobs[t].j0 = m * t / threads;
         jobs[t].j1 = m * (t + 1) / threads;
     }
-    for (int t = 1; t < threads; t++) started[t] = pthread_create(&tid[t], NULL, run_job, &jobs[t]) == 0;
-    run_job(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else run_job(&jobs[t]);
-    }
+    run_jobs(run_job, jobs, sizeof(Job), threads);
     for (int t = 0; t < threads; t++) failed |= jobs[t].failed;
     return failed;
 }
@@ -669,23 +682,15 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
             if (key < 0 || key >= c) { PyErr_Format(PyExc_ValueError, "row %zd: key slot %lld outside the cache", r, (long long)key); goto done; }
         }
     }
-    if (threads < 1) threads = 1;
-    if (threads > 16) threads = 16;
-    if (n < threads) threads = n > 0 ? (int)n : 1;
+    threads = clamp_threads(threads, n, 1);
     AttnJob jobs[16];
-    pthread_t tid[16];
-    int started[16] = {0}, failed = 0;
+    int failed = 0;
     Py_BEGIN_ALLOW_THREADS
     for (int t = 0; t < threads; t++) {
         jobs[t] = (AttnJob){q.buf, k.buf, v.buf, perm.buf, len.buf, out.buf, n, nh, kvh, d, c, n * t / threads,
                             n * (t + 1) / threads, (float)scale, 0};
     }
-    for (int t = 1; t < threads; t++) started[t] = pthread_create(&tid[t], NULL, run_attn, &jobs[t]) == 0;
-    run_attn(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else run_attn(&jobs[t]);
-    }
+    run_jobs(run_attn, jobs, sizeof(AttnJob), threads);
     for (int t = 0; t < threads; t++) failed |= jobs[t].failed;
     Py_END_ALLOW_THREADS
     if (failed) { PyErr_NoMemory(); goto done; }

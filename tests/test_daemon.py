@@ -34,6 +34,21 @@ def check_stream(notes: list, response: list, msgid: int) -> dict:
     assert all(n[2][1] or n[2][2] for n in tokens)  # no empty chunks
     return result
 
+async def refused_then_closed(conn, code: str) -> list:
+    """The daemon answers ``conn`` with error ``code`` and hangs up; returns the error reply."""
+    reply = await conn.receive()
+    assert reply[2]["code"] == code
+    assert await conn.receive() is None
+    return reply
+
+
+async def assert_serving(path) -> None:
+    """A new connection to ``path`` is answered: the daemon outlived whatever came before."""
+    conn = await RawConnection.open(path)
+    _, reply = await conn.request(1, "health")
+    assert reply[3]["status"] == "ok"
+
+
 
 @trio_autojump
 async def test_streamed_chunks_add_up_to_the_final_result(tmp_path):
@@ -304,12 +319,9 @@ async def test_malformed_msgpack_gets_parse_error_then_the_connection_closes(tmp
     async with running_daemon(tmp_path / "d.sock"):
         conn = await RawConnection.open(tmp_path / "d.sock")
         await conn.send_bytes(b"\x93\x00\x01\xc1")  # 0xc1 is never valid msgpack
-        reply = await conn.receive()
-        assert reply[0] == 1 and reply[1] is None and reply[2]["code"] == "parse_error"
-        assert await conn.receive() is None
-        other = await RawConnection.open(tmp_path / "d.sock")
-        _, reply = await other.request(1, "health")
-        assert reply[3]["status"] == "ok"
+        reply = await refused_then_closed(conn, "parse_error")
+        assert reply[0] == 1 and reply[1] is None
+        await assert_serving(tmp_path / "d.sock")
 
 
 @trio_autojump
@@ -530,14 +542,11 @@ async def test_too_many_connections_get_busy_and_are_closed(tmp_path):
         kept = [await RawConnection.open(tmp_path / "d.sock") for _ in range(2)]
         await trio.testing.wait_all_tasks_blocked()
         extra = await RawConnection.open(tmp_path / "d.sock")
-        reply = await extra.receive()
-        assert reply[2]["code"] == "busy" and reply[2]["retryable"] is True
-        assert await extra.receive() is None
+        reply = await refused_then_closed(extra, "busy")
+        assert reply[2]["retryable"] is True
         await kept[0].aclose()
         await trio.testing.wait_all_tasks_blocked()
-        again = await RawConnection.open(tmp_path / "d.sock")
-        _, reply = await again.request(1, "health")
-        assert reply[3]["status"] == "ok"
+        await assert_serving(tmp_path / "d.sock")
 
 
 @trio_autojump
