@@ -111,30 +111,27 @@ class _Tensors:
                    if len(t.shape) == 2 and n != "token_embd.weight")
 
 
-def _write_native_head(out: RegionWriter, qtype: str, data: np.ndarray, k: int, norm: np.ndarray, layer_bytes: int) -> list:
-    """Native-layout LM head in vocabulary slices (see :func:`_write_head`)."""
-    n = data.shape[0]
-    rows = max(256, (layer_bytes // max(data.nbytes // n, 1)) // 256 * 256)
-    regions = []
-    for lo in range(0, n, rows):
-        hi = min(lo + rows, n)
-        mats = {"output": {"kind": "native", "qtype": qtype, "k": k, "n": hi - lo}}
-        regions.append(out.write({"output_norm": norm, "output.data": data[lo:hi]}, mats))
-    return regions
-
-
-def _write_head(out: RegionWriter, w, norm: np.ndarray, layer_bytes: int) -> list:
+def _write_head(out: RegionWriter, n: int, row_bytes: int, layer_bytes: int, slice_arrays) -> list:
     """The LM head in vocabulary slices about one layer in size, each with its own final norm.
 
     A slice is a self-contained unit (norm + rows of the head), so a budget too small
     to pin the whole head can stream it slice by slice through the layer buffers.
     Each logit column depends only on its own row, so slicing changes no number.
+    ``slice_arrays(lo, hi)`` gives the arrays and matrix spec of rows ``lo..hi-1``.
     """
-    per_row = sum(a.nbytes for a in w.arrays().values()) // w.n
-    rows = max(256, (layer_bytes // max(per_row, 1)) // 256 * 256)
-    regions = []
-    for lo in range(0, w.n, rows):
-        hi = min(lo + rows, w.n)
+    rows = max(256, (layer_bytes // max(row_bytes, 1)) // 256 * 256)
+    return [out.write(*slice_arrays(lo, min(lo + rows, n))) for lo in range(0, n, rows)]
+
+
+def _native_head_slices(qtype: str, data: np.ndarray, k: int, norm: np.ndarray):
+    def slice_arrays(lo: int, hi: int):
+        mats = {"output": {"kind": "native", "qtype": qtype, "k": k, "n": hi - lo}}
+        return {"output_norm": norm, "output.data": data[lo:hi]}, mats
+    return slice_arrays
+
+
+def _ort_head_slices(w, norm: np.ndarray):
+    def slice_arrays(lo: int, hi: int):
         arrays = {"output_norm": norm}
         if w.kind == "f32":
             arrays["output.dense"] = w.dense[:, lo:hi]
@@ -143,8 +140,8 @@ def _write_head(out: RegionWriter, w, norm: np.ndarray, layer_bytes: int) -> lis
             if w.corr is not None:
                 arrays["output.corr"] = w.corr[:, lo:hi]
         mats = {"output": {"kind": w.kind, "k": w.k, "n": hi - lo, "block": w.block, "has_corr": w.corr is not None}}
-        regions.append(out.write(arrays, mats))
-    return regions
+        return arrays, mats
+    return slice_arrays
 
 
 def vocab_digest(spec: dict) -> str:
@@ -232,13 +229,16 @@ def convert(gguf_path: str | os.PathLike, out: str | os.PathLike, *, progress: C
         resident = RegionWriter(tmp / "resident.bin", "resident.bin")
         head_name = "output.weight" if ts.has("output.weight") else "token_embd.weight"
         biggest = max(layers, key=lambda r: r["nbytes"])["nbytes"]
+        norm = ts.vector("output_norm.weight")
         if layout == "native":
-            t = ts.get(head_name)
             qtype, data = ts.native(head_name)
-            head = [r.to_json() for r in _write_native_head(resident, qtype, data, int(t.shape[0]),
-                                                              ts.vector("output_norm.weight"), biggest)]
+            n, per_row = data.shape[0], data.nbytes // data.shape[0]
+            slices = _native_head_slices(qtype, data, int(ts.get(head_name).shape[0]), norm)
         else:
-            head = [r.to_json() for r in _write_head(resident, ts.matrix(head_name), ts.vector("output_norm.weight"), biggest)]
+            w = ts.matrix(head_name)
+            n, per_row = w.n, sum(a.nbytes for a in w.arrays().values()) // w.n
+            slices = _ort_head_slices(w, norm)
+        head = [r.to_json() for r in _write_head(resident, n, per_row, biggest, slices)]
         resident.close()
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "layout": layout,
