@@ -6,6 +6,7 @@ import time
 import numpy as np
 import trio
 
+from lever_actors.prune import misses
 from protocols import Commit, PassStats, VerifyDone
 
 
@@ -18,7 +19,10 @@ def decide(done: VerifyDone) -> tuple[list[int], list[int]]:
         tok = int(done.argmax[0]) if params.greedy else next_token(done.logits[0], params, done.step)
         return [], [tok]
     if params.greedy:
-        return accept_greedy(done.parents, done.tokens, done.argmax)
+        tokens = done.tokens
+        if done.pruned is not None and len(done.node_ids) < len(tokens):
+            tokens = np.where(np.isin(np.arange(len(tokens)), done.node_ids), tokens, -1)  # never matches
+        return accept_greedy(done.parents, tokens, done.argmax)
     n = len(done.tokens)
     target = [probs_from_logits(done.logits[i], params) for i in range(n)]
     # node i's children were drawn from the draft distribution at node i (a chain: dists[i])
@@ -45,10 +49,13 @@ class Acceptor:
             async for done in self.done_recv:
                 t0 = time.perf_counter()
                 path, tokens = decide(done)
+                pruned = done.pruned if done.pruned is not None else np.zeros(0, np.int32)
+                wrong = misses(done.parents, done.tokens, done.argmax, path, pruned) if len(pruned) else 0
                 self.tracer.add("accept", "accept", t0, time.perf_counter(), accepted=len(tokens))
                 await self.commit_send.send(Commit(session_id=done.session_id, step=done.step, epoch=done.epoch,
                                                    tokens=tuple(tokens), accepted_nodes=tuple(path)))
                 await self.stats_send.send(PassStats(
                     session_id=done.session_id, step=done.step, epoch=done.epoch, n_nodes=len(done.tokens),
-                    n_accepted=len(tokens) - 1, n_pruned=0, io_s=done.io_wait_s, compute_s=done.compute_s,
-                    draft_s=0.0, pass_s=0.0, bytes_read=done.bytes_read))
+                    n_accepted=len(tokens) - 1, n_pruned=len(pruned), io_s=done.io_wait_s, compute_s=done.compute_s,
+                    draft_s=0.0, pass_s=0.0, bytes_read=done.bytes_read, n_pruned_wrong=wrong,
+                    n_dropped=len(done.tokens) - len(done.node_ids) if done.pruned is not None else 0))

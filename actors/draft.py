@@ -6,6 +6,7 @@ import time
 import numpy as np
 import trio
 
+from lever_actors.prune import ALTERNATIVES
 from protocols import DraftExpansion, DraftRequest
 
 
@@ -135,6 +136,7 @@ class Drafter:
         params = SamplingParams(req.temperature, req.top_p, req.seed)
         parents, tokens, probs, path_p = [], [], [], []
         dists: dict[int, np.ndarray] = {}  # node (-1 = root) -> distribution its children came from
+        alts: dict[int, np.ndarray] = {}  # node (-1 = root) -> the draft's top tokens after it (greedy)
         if req.max_depth > 0 and req.max_nodes > 0:
             if hidden is None:
                 raise RuntimeError("draft request commits nothing new: the root must be newly committed")
@@ -146,6 +148,8 @@ class Drafter:
                     p = self._distribution(logits[r], params)
                     if not params.greedy:
                         dists[node] = p.astype(np.float32)
+                    else:
+                        alts[node] = self._children(p, min(ALTERNATIVES, len(p)), params, req.step, node)
                     base_p = path_p[node] if node >= 0 else 1.0
                     for tok in self._children(p, req.top_k, params, req.step, node):
                         cands.append((base_p * float(p[tok]), node, tok, float(p[tok])))
@@ -170,10 +174,20 @@ class Drafter:
             dist_rows = np.zeros((len(tokens) + 1, vocab), np.float32)  # row 0: root, row i+1: node i
             for node, p in dists.items():
                 dist_rows[node + 1] = p
+        alt_rows = None
+        if alts:
+            # row 0: root, row i+1: node i; a node never expanded lists its own token (no rival)
+            k = len(next(iter(alts.values())))
+            alt_rows = np.empty((len(tokens) + 1, k), np.int32)
+            alt_rows[0] = root
+            alt_rows[1:] = np.asarray(tokens, np.int32)[:, None]
+            for node, top in alts.items():
+                alt_rows[node + 1] = top
         return DraftExpansion(
             session_id=req.session_id, step=req.step, epoch=req.epoch, root_token=root,
             position=position, parents=np.asarray(parents, np.int32), tokens=np.asarray(tokens, np.int32),
             draft_probs=np.asarray(probs, np.float32), draft_s=time.perf_counter() - t0, dists=dist_rows,
+            alternatives=alt_rows,
         )
 
     @staticmethod

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import trio
 
-from protocols import LayerReleased, VerifyDone, VerifyPlan
+from protocols import ExitHidden, LayerReleased, VerifyDone, VerifyPlan
 
 
 class PassAborted(Exception):
@@ -28,9 +28,11 @@ def tree_visible(parents: np.ndarray, base: int) -> list[list[int]]:
 class NpuVerifier:
     """Owns the target's KV cache, pinned layer sessions and the verification lane.
 
-    Inputs: ``plans_recv`` (VerifyPlan), ``ready_recv`` (LayerReady from the prefetcher).
+    Inputs: ``plans_recv`` (VerifyPlan), ``ready_recv`` (LayerReady from the prefetcher),
+    ``masks_recv`` (PruneMask, the answer to each ExitHidden).
     Outputs: ``done_send`` (VerifyDone), ``released_send`` (LayerReleased; sized to
-    the pool so ``send_nowait`` never fails).
+    the pool so ``send_nowait`` never fails), ``exits_send`` (ExitHidden after each of
+    a plan's exit layers, when a pruner is wired).
     Invariants: layers run in order 0..L-1 then the head; every streamed buffer is
     released exactly once, after its stage has computed (a native layer computes
     from the buffer itself); the KV cache keeps the committed prefix in slots
@@ -43,7 +45,8 @@ class NpuVerifier:
     """
 
     def __init__(self, target, streamed: list[int], pinned_sessions: dict, head_sessions, plans_recv, done_send,
-                 ready_recv, released_send, pool, lanes, tracer, abort_recv, lookahead: int = 1) -> None:
+                 ready_recv, released_send, pool, lanes, tracer, abort_recv, lookahead: int = 1,
+                 exits_send=None, masks_recv=None, hidden=None) -> None:
         self.m = target  # lever_actors.model.Transformer without resident layers
         self.streamed = streamed
         self.stage_count = target.n_layer + target.n_head_chunks  # layers, then the head's vocabulary slices
@@ -67,21 +70,31 @@ class NpuVerifier:
         self.abort_recv = abort_recv
         self.aborted_sessions: set[int] = set()
         self.aborted = 0
+        self.exits_send, self.masks_recv, self.hidden = exits_send, masks_recv, hidden  # the pruner's link
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with self.plans_recv, self.done_send, self.ready_recv, self.released_send, self.built_recv:
-            async with trio.open_nursery() as nursery:
-                if self.streamed:
-                    nursery.start_soon(self._build_forever)
-                task_status.started()
-                async for plan in self.plans_recv:
-                    try:
-                        done = await self.verify(plan)
-                    except PassAborted:
-                        self.aborted += 1
-                        continue
-                    await self.done_send.send(done)
-                nursery.cancel_scope.cancel()
+        from contextlib import AsyncExitStack
+
+        async with AsyncExitStack() as stack:
+            for end in (self.plans_recv, self.done_send, self.ready_recv, self.released_send, self.built_recv,
+                        self.exits_send, self.masks_recv):
+                if end is not None:
+                    await stack.enter_async_context(end)
+            await self._serve(task_status)
+
+    async def _serve(self, task_status) -> None:
+        async with trio.open_nursery() as nursery:
+            if self.streamed:
+                nursery.start_soon(self._build_forever)
+            task_status.started()
+            async for plan in self.plans_recv:
+                try:
+                    done = await self.verify(plan)
+                except PassAborted:
+                    self.aborted += 1
+                    continue
+                await self.done_send.send(done)
+            nursery.cancel_scope.cancel()
 
     def _is_aborted(self, session_id: int) -> bool:
         """Between layers: has the pass's session been aborted?"""
@@ -192,8 +205,11 @@ class NpuVerifier:
         x = self.m.embedding.lookup(tokens)
         acc = {"compute_s": 0.0, "wait_s": 0.0, "bytes_read": 0}
         head_parts: list[np.ndarray] = []
+        prune = None
+        if plan.exit_layers and not plan.prefill and self.exits_send is not None:
+            prune = {"plan": plan, "alive": np.ones(n, bool), "pruned": []}
         try:
-            await self._stages(x, feeds_list, slots_list, rows, head_parts, acc, plan.session_id)
+            await self._stages(x, feeds_list, slots_list, rows, head_parts, acc, plan.session_id, prune)
         finally:
             for slot in list(self.taken):  # cancelled or aborted mid-pass: its slots go back
                 self.taken.discard(slot)
@@ -204,16 +220,24 @@ class NpuVerifier:
 
             release_freed_memory()  # this pass's sessions are gone; keep RSS at the budget
         logits = np.concatenate(head_parts, axis=-1)  # [rows, V]
+        argmax = np.argmax(logits, axis=-1).astype(np.int32)
+        node_ids = np.arange(len(rows), dtype=np.int32)
+        pruned = None
+        if prune is not None:  # rows are the survivors; pruned nodes were not computed to the end
+            node_ids = np.flatnonzero(prune["alive"]).astype(np.int32)
+            full = np.full(n, -1, np.int32)
+            full[node_ids] = argmax
+            argmax, pruned = full, np.asarray(sorted(prune["pruned"]), np.int32)
         if plan.prefill:
             kv.commit(slots)
         self.tracer.add("verify pass" if not plan.prefill else "prefill pass", "session", t_start, time.perf_counter(),
                         nodes=n)
         return VerifyDone(
             session_id=plan.session_id, step=plan.step, epoch=plan.epoch,
-            node_ids=np.arange(len(rows), dtype=np.int32), handle=0, compute_s=compute_s, io_wait_s=wait_s,
+            node_ids=node_ids, handle=0, compute_s=compute_s, io_wait_s=wait_s,
             tokens=np.asarray(plan.tokens, np.int32)[rows] if plan.prefill else np.asarray(plan.tokens, np.int32),
             parents=np.full(1, -1, np.int32) if plan.prefill else np.asarray(plan.parents, np.int32),
-            argmax=np.argmax(logits, axis=-1).astype(np.int32),
+            argmax=argmax, pruned=pruned,
             logits=logits.astype(np.float32) if plan.want_logits else None,
             draft_dists=plan.draft_dists, bytes_read=bytes_read, prefill=plan.prefill,
             temperature=plan.temperature, top_p=plan.top_p, seed=plan.seed,
@@ -232,8 +256,12 @@ class NpuVerifier:
             self._release_held(msg.slot)
             self.skipped += 1
 
-    async def _stages(self, x, feeds_list, slots_list, rows, head_parts, acc, session_id: int) -> None:
-        """Run every stage in order: pinned ones directly, streamed ones as their sessions arrive."""
+    async def _stages(self, x, feeds_list, slots_list, rows, head_parts, acc, session_id: int, prune=None) -> None:
+        """Run every stage in order: pinned ones directly, streamed ones as their sessions arrive.
+
+        After an exit layer of the plan the pruner decides which nodes go on; later
+        stages compute only the survivors' rows (their KV slots stay base + node id).
+        """
         first_streamed = self.streamed[0] if self.streamed else None
         for stage in range(self.stage_count):
             if self._is_aborted(session_id):
@@ -257,3 +285,32 @@ class NpuVerifier:
             else:
                 head_parts.append(y)
             acc["compute_s"] += time.perf_counter() - t0
+            if prune is not None and stage in prune["plan"].exit_layers and prune["alive"].sum() > 1:
+                x, feeds_list, slots_list, rows = await self._exit(stage, x, feeds_list, slots_list, prune)
+
+    async def _exit(self, stage: int, x, feeds_list, slots_list, prune):
+        """Hand the hidden rows to the pruner, then keep only the rows of the nodes it keeps."""
+        plan, alive = prune["plan"], prune["alive"]
+        ids = np.flatnonzero(alive).astype(np.int32)
+        handle = self.hidden.put(x)
+        try:
+            await self.exits_send.send(ExitHidden(
+                session_id=plan.session_id, step=plan.step, epoch=plan.epoch, layer=stage, node_ids=ids,
+                handle=handle, tokens=np.asarray(plan.tokens, np.int32), parents=np.asarray(plan.parents, np.int32),
+                alternatives=plan.alternatives, threshold=plan.prune_threshold))
+            mask = await self.masks_recv.receive()
+        finally:
+            self.hidden.drop(handle)
+        if (mask.session_id, mask.step, mask.layer) != (plan.session_id, plan.step, stage):
+            raise RuntimeError(f"prune mask for step {mask.step} layer {mask.layer}, expected {plan.step} {stage}")
+        from lever_actors.prune import directly_pruned
+
+        keep = np.asarray(mask.keep, bool) & alive
+        prune["pruned"].extend(int(v) for v in directly_pruned(np.asarray(plan.parents), alive, keep))
+        prune["alive"] = keep
+        if keep.sum() == len(ids):
+            return x, feeds_list, slots_list, np.arange(len(ids))
+        sel = np.flatnonzero(keep[ids])  # rows (within the current ones) that go on
+        self._chunks = [(0, len(sel))]
+        feeds = {k: (v[:, sel] if k == "kv_index" else v[sel]) for k, v in feeds_list[0].items()}
+        return np.ascontiguousarray(x[sel]), [feeds], [slots_list[0][sel]], np.arange(len(sel))

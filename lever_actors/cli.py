@@ -41,7 +41,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g = p.add_argument_group("runtime")
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
-                        "optionally +no-overlap / +fixed-tree (default resident-ar; with --socket, the daemon's mode)")
+                        "optionally +no-overlap / +fixed-tree / +no-prune (default resident-ar; with --socket, the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",
                    help="DRAM budget such as 1GiB or 800MB, or 'unlimited'; what does not fit streams from flash "
                         "(default: 1GiB for the flash modes, unlimited for resident-ar)")
@@ -52,6 +52,14 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
                    help="ablation: do not draft the next tree while the target verifies (cross-step drafting)")
     g.add_argument("--fixed-tree", action="store_true",
                    help="ablation: lever verifies the whole drafted tree instead of the gain/cost plan")
+    g.add_argument("--no-prune", action="store_true",
+                   help="ablation: lever computes every tree node through every layer (no early-exit pruning)")
+    g.add_argument("--prune-layer", type=int, default=None, metavar="L",
+                   help="lever: score nodes after target layer L (0-based) and drop the hopeless ones "
+                        "(default: the calibrated layer of the target; see tools/calibrate_prune.py)")
+    g.add_argument("--prune-threshold", type=float, default=None, metavar="M",
+                   help="lever: drop a node whose logit-lens margin over the draft's alternatives is below M "
+                        "(default: the calibrated threshold; pruning is off for a target never calibrated)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

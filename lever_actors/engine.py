@@ -45,7 +45,8 @@ def default_budget(mode: str, text: str | None) -> int | None:
     return parse_size(text)
 
 
-MODE_FLAGS = ("no-overlap", "fixed-tree")  # ablations: no cross-step drafting; lever without its planner
+# ablations: no cross-step drafting; lever without its planner; lever without early-exit pruning
+MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -92,6 +93,9 @@ class EngineConfig:
     build_threads: int = 1  # lane width for wrapping streamed buffers (instant for native layers)
     overlap: bool = True  # cross-step drafting: draft the likely next tree while the target verifies
     fixed_tree: bool = False  # lever without its planner: verify the whole drafted tree
+    prune: bool = True  # lever: early-exit pruning (when the target has a calibration or a threshold is given)
+    prune_layer: int | None = None  # None: the calibrated exit layer
+    prune_threshold: float | None = None  # None: the calibrated threshold
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
@@ -103,7 +107,8 @@ class EngineConfig:
         if "@" in text:  # this mode's own DRAM budget
             budget = parse_size(text.split("@", 1)[1])
         return replace(self, mode=name, gamma=gamma, overlap=self.overlap and "no-overlap" not in flags,
-                       fixed_tree=self.fixed_tree or "fixed-tree" in flags, dram_budget=budget)
+                       fixed_tree=self.fixed_tree or "fixed-tree" in flags, prune=self.prune and "no-prune" not in flags,
+                       dram_budget=budget)
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
@@ -121,7 +126,8 @@ class EngineConfig:
             lane=LaneConfig(threads=args.threads, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
                             precision=args.precision),
             trace=getattr(args, "trace", None), overlap=not getattr(args, "no_overlap", False),
-            fixed_tree=getattr(args, "fixed_tree", False),
+            fixed_tree=getattr(args, "fixed_tree", False), prune=not getattr(args, "no_prune", False),
+            prune_layer=getattr(args, "prune_layer", None), prune_threshold=getattr(args, "prune_threshold", None),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
     def mode_string(self) -> str:
@@ -130,6 +136,8 @@ class EngineConfig:
             text += "+no-overlap"
         if self.mode == "lever" and self.fixed_tree:
             text += "+fixed-tree"
+        if self.mode == "lever" and not self.prune:
+            text += "+no-prune"
         return text
 
     @property

@@ -1,7 +1,8 @@
 """Lanes: where blocking work runs. One lane = one limiter = one kind of hardware.
 
 ``flash`` reads, ``build`` turns a streamed buffer into a session, ``npu`` runs
-target layers, ``cpu`` drafts. Each lane is serial (or ``width``-wide), and lanes
+target layers, ``cpu`` drafts, ``prune`` scores tree nodes at an exit layer (small, and
+never queued behind a draft the verifier is not waiting for). Each lane is serial (or ``width``-wide), and lanes
 run in parallel with each other because ORT and ``preadv`` release the GIL.
 Tests swap in :class:`VirtualLanes`, which charge a modelled duration on trio's
 clock instead of using threads, so overlap can be checked exactly under MockClock.
@@ -15,7 +16,7 @@ import trio
 
 class ThreadLanes:
     def __init__(self, widths: dict[str, int] | None = None) -> None:
-        widths = {"flash": 1, "build": 1, "npu": 1, "cpu": 1, **(widths or {})}
+        widths = {"flash": 1, "build": 1, "npu": 1, "cpu": 1, "prune": 1, **(widths or {})}
         self.limiters = {name: trio.CapacityLimiter(w) for name, w in widths.items()}
 
     async def run(self, lane: str, fn: Callable, *args, cost=None):
@@ -27,7 +28,7 @@ class VirtualLanes:
 
     def __init__(self, cost: Callable[..., float]) -> None:
         self.cost = cost
-        self.limiters = {name: trio.CapacityLimiter(1) for name in ("flash", "build", "npu", "cpu")}
+        self.limiters = {name: trio.CapacityLimiter(1) for name in ("flash", "build", "npu", "cpu", "prune")}
         self.busy: dict[str, float] = {}
 
     async def run(self, lane: str, fn: Callable, *args, cost=None):

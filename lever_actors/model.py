@@ -97,6 +97,17 @@ def causal_layout(context: int, past: int, n: int) -> dict[str, np.ndarray]:
     return attention_layout(context, past, [list(range(past, past + j + 1)) for j in range(n)])
 
 
+def read_rows(fd: int, offset: int, row_bytes: int, n_rows: int, qtype: QT, k: int, ids) -> np.ndarray:
+    """Float32 ``[len(ids), k]``: rows ``ids`` of a GGUF-block matrix stored at ``offset`` of ``fd``."""
+    raw = np.empty((len(ids), row_bytes), np.uint8)
+    for i, t in enumerate(ids):
+        if not 0 <= int(t) < n_rows:
+            raise ValueError(f"token id {t} outside the vocabulary of {n_rows}")
+        if os.preadv(fd, [raw[i]], offset + int(t) * row_bytes) != row_bytes:
+            raise OSError(f"short read of row {t}")
+    return dequantize_rows(raw, qtype, k)
+
+
 class EmbeddingTable:
     """Token embedding rows read from the flash file on demand (GGUF-native blocks).
 
@@ -112,15 +123,8 @@ class EmbeddingTable:
         self.bytes_read = 0
 
     def lookup(self, tokens) -> np.ndarray:
-        raw = np.empty((len(tokens), self.row_bytes), np.uint8)
-        for i, t in enumerate(tokens):
-            if not 0 <= int(t) < self.rows:
-                raise ValueError(f"token id {t} outside the vocabulary of {self.rows}")
-            n = os.preadv(self.fd, [raw[i]], self.offset + int(t) * self.row_bytes)
-            if n != self.row_bytes:
-                raise OSError(f"short read of embedding row {t}")
-        self.bytes_read += raw.nbytes
-        return dequantize_rows(raw, self.qtype, self.k)
+        self.bytes_read += len(tokens) * self.row_bytes
+        return read_rows(self.fd, self.offset, self.row_bytes, self.rows, self.qtype, self.k, tokens)
 
     def close(self) -> None:
         os.close(self.fd)

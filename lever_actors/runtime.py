@@ -63,7 +63,8 @@ def _subtree(keep: list[int], drafted, parents, dists, probs):
 TREE_TOP_K = 3  # children scored per node by the tree modes
 TREE_WIDTH = 4  # nodes per tree level: with this pair's sharp draft, budget is best spent on depth
 TREE_MAX_DEPTH = 16
-CHANNELS = {"ready": 1, "plans": 1, "done": 1, "commits": 1, "stats": 1, "draft_requests": 1, "drafts": 1}
+CHANNELS = {"ready": 1, "plans": 1, "done": 1, "commits": 1, "stats": 1, "draft_requests": 1, "drafts": 1,
+            "exits": 1, "masks": 1}
 
 
 def activation_bytes(dims: dict, context: int, rows: int = 64) -> int:
@@ -88,6 +89,9 @@ class RunStats:
     pass_s: float = 0.0
     accept_hist: dict = field(default_factory=dict)
     tree_sizes: list = field(default_factory=list)
+    pruned: int = 0  # the pruner's decisions
+    pruned_wrong: int = 0  # ... that dropped a node the target would have accepted
+    dropped: int = 0  # nodes not computed to the end (pruned ones and their subtrees)
 
     def as_dict(self, io_busy_s: float = 0.0) -> dict:
         p = max(self.passes, 1)
@@ -101,13 +105,17 @@ class RunStats:
             "stall_s_per_pass": self.io_wait_s / p,  # verification lane waiting for its next layer
             "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
             "mean_tree_nodes": float(np.mean(self.tree_sizes)) if self.tree_sizes else None,
+            "pruned_nodes": self.pruned, "dropped_nodes": self.dropped, "pruned_wrong": self.pruned_wrong,
+            "prune_precision": 1 - self.pruned_wrong / self.pruned if self.pruned else None,
+            "prune_recall": (self.draft_n_accepted / (self.draft_n_accepted + self.pruned_wrong)
+                             if self.draft_n_accepted + self.pruned_wrong else None),
         }
 
 
-def build_budget(cfg, target, draft_bundle, draft_bytes: int) -> BudgetPlan:
+def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None = None) -> BudgetPlan:
     d = target.dims
     kv = 2 * d["n_layer"] * d["n_kv_head"] * cfg.context * d["head_dim"] * 4
-    items = {"target_kv": kv, "activations": activation_bytes(d, cfg.context)}
+    items = {"target_kv": kv, "activations": activation_bytes(d, cfg.context), **(extra or {})}
     if draft_bundle is not None:
         dd = draft_bundle.dims
         items["draft_weights"] = draft_bytes
@@ -134,12 +142,16 @@ class Pipeline:
         from lever_actors.planner import LeverPolicy
 
         self.lever = LeverPolicy()  # calibration and costs persist across generations
+        self.prune_exits: tuple[int, ...] = ()  # exit layers of lever passes (set when a pruner runs)
+        self.prune_threshold: float | None = None
+        self.prune_note = "off"
+        self.verdicts: list | None = None  # calibration: (session, step, parents, accepted nodes) per pass
 
     def describe(self) -> dict:
         return {"mode": self.cfg.mode_string(), "pinned_layers": list(self.plan.pinned),
                 "streamed_layers": list(self.plan.streamed), "head_streamed": self.plan.head_streamed,
                 "stream_slots": self.plan.n_slots, "budget": self.plan.describe(),
-                "direct_io": self.prefetcher.direct}
+                "direct_io": self.prefetcher.direct, "prune": self.prune_note}
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, emit) -> tuple[list[int], str, dict]:
         sid = self.session_id + 1
@@ -242,16 +254,20 @@ class Pipeline:
                 tree_parents = [-1] + [int(p) + 1 for p in exp.parents]
                 dists = exp.dists
                 probs = exp.draft_probs
+                alts = exp.alternatives  # row 0 the root, row i node i: the same numbering as the plan
                 if cfg.mode == "lever" and params.greedy and not cfg.fixed_tree:
                     # (sampled trees are verified whole: choosing siblings by the tokens drawn
                     # would bias speculative sampling)
                     keep = self.lever.select(np.asarray(tree_parents), np.concatenate([[1.0], exp.draft_probs]), gamma)
                     drafted, tree_parents, dists, probs = _subtree(keep, drafted, tree_parents, dists,
                                                                    exp.draft_probs)
+                    alts = None if alts is None else alts[np.asarray(keep)]
                     stats.tree_sizes.append(len(keep) - 1)  # drafted nodes verified (the root is not drafted)
             else:
-                drafted, tree_parents, dists = [], [-1], None
+                drafted, tree_parents, dists, alts = [], [-1], None, None
             tokens = np.asarray([root] + drafted, np.int32)
+            pruning = bool(self.prune_exits) and cfg.mode == "lever" and params.greedy and alts is not None \
+                and len(drafted) > 0
             k = len(tokens)
             parents = np.asarray(tree_parents, np.int32)
             depths = np.zeros(k, np.int32)
@@ -260,7 +276,9 @@ class Pipeline:
             await self.plan_send.send(VerifyPlan(
                 session_id=sid, step=step, epoch=0, position=len(prompt_ids) + len(out) - 1, tokens=tokens,
                 parents=parents, depths=depths, bucket=k,
-                prev_accepted=prev_accepted, want_logits=not params.greedy, draft_dists=dists, **sampling))
+                prev_accepted=prev_accepted, want_logits=not params.greedy, draft_dists=dists,
+                exit_layers=self.prune_exits if pruning else (), alternatives=alts if pruning else None,
+                prune_threshold=self.prune_threshold if pruning else None, **sampling))
             assume = None
             if gamma and cfg.overlap and drafted:
                 # cross-step drafting: while the target verifies, draft the tree that follows the
@@ -284,6 +302,11 @@ class Pipeline:
             stats.draft_n_accepted += len(commit.tokens) - 1
             stats.committed += len(commit.tokens)
             stats.accept_hist[len(commit.tokens)] = stats.accept_hist.get(len(commit.tokens), 0) + 1
+            stats.pruned += ps.n_pruned
+            stats.pruned_wrong += ps.n_pruned_wrong
+            stats.dropped += ps.n_dropped
+            if self.verdicts is not None:
+                self.verdicts.append((sid, step, tuple(int(p) for p in parents), tuple(commit.accepted_nodes)))
             if cfg.mode == "lever" and params.greedy and not cfg.fixed_tree:
                 self.lever.observe(parents, depths, np.concatenate([[1.0], probs]), commit.accepted_nodes,
                                    pass_s=time.perf_counter() - t_pass, compute_s=ps.compute_s,
@@ -330,10 +353,46 @@ def _draft_weight_bytes(bundle) -> int:
     return int((sum(bundle.layer_bytes()) + bundle.head_bytes()) * factor)
 
 
+def prune_setting(cfg, bundle, exits: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], float | None, str]:
+    """(exit layers, threshold, description) of lever's pruning for this target.
+
+    Explicit settings win over the calibration shipped for the target's GGUF
+    (``lever_actors/prune_calibration.json``); a target never calibrated and no
+    threshold given means no pruning. ``exits`` (calibration runs) scores at those
+    layers without pruning unless a threshold is given too.
+    """
+    from lever_actors.prune import calibration_for
+
+    n_layer = bundle.n_layer
+    if cfg.mode != "lever" or not cfg.prune:
+        return (), None, "off"
+    cal = calibration_for(bundle) or {}
+    if exits is not None:
+        layers, threshold = tuple(exits), cfg.prune_threshold
+    else:
+        threshold = cfg.prune_threshold if cfg.prune_threshold is not None else cal.get("threshold")
+        if threshold is None:
+            return (), None, "off (no calibration for this target; give --prune-threshold)"
+        layer = cfg.prune_layer if cfg.prune_layer is not None else cal.get("exit_layer", min((2 * n_layer) // 3, n_layer - 2))
+        layers = (layer,)
+    for layer in layers:
+        if not 0 <= layer < n_layer - 1:
+            raise ConfigError(f"prune exit layer {layer} must lie in 0..{n_layer - 2} (the target has {n_layer} layers)")
+    if threshold is not None and not np.isfinite(threshold):
+        raise ConfigError(f"--prune-threshold must be a finite number, got {threshold}")
+    source = "calibrated" if cfg.prune_threshold is None and exits is None else "given"
+    return tuple(sorted(set(layers))), threshold, f"layer {','.join(map(str, layers))}, threshold {threshold} ({source})"
+
+
 @asynccontextmanager
 async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: set[int], tracer: Tracer | None = None,
-                        lanes=None, channels: dict | None = None):
-    """Load models inside the budget, start every actor, yield a :class:`Pipeline`."""
+                        lanes=None, channels: dict | None = None, prune_exits: tuple[int, ...] | None = None,
+                        prune_record: list | None = None):
+    """Load models inside the budget, start every actor, yield a :class:`Pipeline`.
+
+    ``prune_exits``/``prune_record`` are for calibration: score nodes at these layers and
+    append (session, step, layer, node, margin) to ``prune_record``.
+    """
     tracer = tracer or Tracer(enabled=True)
     caps = dict(CHANNELS, **(channels or {}))
     tb = load_bundle(target_dir)
@@ -344,7 +403,14 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
             raise ModelIncompatible(
                 f"draft {db.path} and target {tb.path} have different vocabularies "
                 f"({db.dims['vocab_size']} vs {tb.dims['vocab_size']} tokens, digest {str(dv)[:12]} vs {str(tv)[:12]})")
-    plan = build_budget(cfg, tb, db, _draft_weight_bytes(db) if db is not None else 0)
+    exits, threshold, prune_note = prune_setting(cfg, tb, prune_exits)
+    head_rows = None
+    if exits:
+        from lever_actors.prune import HeadRows
+
+        head_rows = HeadRows(tb)
+    plan = build_budget(cfg, tb, db, _draft_weight_bytes(db) if db is not None else 0,
+                        {"prune_head_rows": head_rows.cache_bytes} if head_rows is not None else None)
     lane = cfg.lane
     target = await trio.to_thread.run_sync(
         lambda: Transformer(tb, cfg.context, lane, resident_layers=list(plan.pinned), load_head=not plan.head_streamed))
@@ -369,12 +435,26 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         stats_send, stats_recv = trio.open_memory_channel(caps["stats"])
         lanes = lanes or ThreadLanes({"build": cfg.build_threads})
         prefetcher = FlashPrefetcher(stages, pool, files, ready_send, rel_recv, lanes, tracer, cfg.flash_bandwidth)
+        pruner = None
+        if head_rows is not None:
+            from actors.prune import CpuPruner
+            from lever_actors.handles import HandleTable
+
+            exits_send, exits_recv = trio.open_memory_channel(caps["exits"])
+            masks_send, masks_recv = trio.open_memory_channel(caps["masks"])
+            hidden = HandleTable()
+            pruner = CpuPruner(head_rows, target.eps, exits_recv, masks_send, hidden, lanes, tracer, prune_record)
         verifier = NpuVerifier(target, [s.stage for s in stages], target.resident, target.head_sessions,
-                               plan_recv, done_send, ready_recv, rel_send, pool, lanes, tracer, abort_recv)
+                               plan_recv, done_send, ready_recv, rel_send, pool, lanes, tracer, abort_recv,
+                               **({"exits_send": exits_send, "masks_recv": masks_recv, "hidden": hidden}
+                                  if pruner is not None else {}))
         acceptor = Acceptor(done_recv, commit_send, stats_send, tracer)
         drafter = None
         pipe = Pipeline(cfg, plan, target, None, eos_ids, tracer, prefetcher, verifier)
+        pipe.prune_exits, pipe.prune_threshold, pipe.prune_note = exits, threshold, prune_note
         async with trio.open_nursery() as nursery:
+            if pruner is not None:
+                await nursery.start(pruner.run)
             await nursery.start(prefetcher.run)
             await nursery.start(verifier.run)
             await nursery.start(acceptor.run)
@@ -391,6 +471,8 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
             finally:
                 nursery.cancel_scope.cancel()
     finally:
+        if head_rows is not None:
+            head_rows.close()
         for f in files.values():
             f.close()
         for b in pool:

@@ -54,6 +54,19 @@ def _seconds(owner: object, *names: str) -> None:
             raise ValueError(f"{type(owner).__name__}.{name} must be finite and >= 0, got {value}")
 
 
+def _alternatives(owner: object, rows: int) -> None:
+    """``owner.alternatives`` is None or an int32 ``[rows, k]`` array of token ids (k >= 1)."""
+    alt = owner.alternatives
+    if alt is None:
+        return
+    if not (isinstance(alt, np.ndarray) and alt.ndim == 2 and alt.shape[0] == rows and alt.shape[1] >= 1
+            and (alt.dtype.kind, alt.dtype.itemsize) == ("i", 4)):
+        got = f"{alt.dtype}{alt.shape}" if isinstance(alt, np.ndarray) else type(alt).__name__
+        raise ValueError(f"{type(owner).__name__}.alternatives must be int32 [{rows}, k>=1], got {got}")
+    if np.any(alt < 0):
+        raise ValueError(f"{type(owner).__name__}.alternatives must be token ids >= 0")
+
+
 def _increasing(values) -> bool:
     """True when ``values`` (a tuple or 1-d array) are non-negative and strictly increasing."""
     v = np.asarray(values)
@@ -171,7 +184,7 @@ class DraftExpansion(PipelineMessage):
     is the draft's conditional probability of ``tokens[i]`` given its parent path.
     """
     KIND: ClassVar[str] = "draft.expansion"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     root_token: int
     position: int        # sequence position of root_token, echoed from the request
     parents: np.ndarray      # int32 [n]
@@ -180,10 +193,17 @@ class DraftExpansion(PipelineMessage):
     draft_s: float
     # v2: full draft distributions [n, vocab] that sampled nodes were drawn from (sampling only)
     dists: np.ndarray | None = None
+    # v3: the draft's top tokens after the root (row 0) and after each node (row i+1), best
+    # first: the pruner's competitors when it scores a child against its alternatives
+    alternatives: np.ndarray | None = None  # int32 [n+1, k]
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
         return body
+
+    @staticmethod
+    def upgrade_from_2(body: dict) -> dict:
+        return body  # v3 only adds a field with a default
 
     def _check(self) -> None:
         _non_negative(self, "root_token", "position")
@@ -196,6 +216,7 @@ class DraftExpansion(PipelineMessage):
         if not np.all((probs >= 0) & (probs <= 1)):
             raise ValueError("DraftExpansion.draft_probs must lie in [0, 1]")
         _seconds(self, "draft_s")
+        _alternatives(self, n + 1)
 
 
 @register
@@ -208,7 +229,7 @@ class VerifyPlan(PipelineMessage):
     the n nodes to ``bucket`` tokens and stops at ``exit_layers`` to let the pruner score.
     """
     KIND: ClassVar[str] = "plan.verify"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     position: int
     tokens: np.ndarray   # int32 [n]
     parents: np.ndarray  # int32 [n]
@@ -225,10 +246,18 @@ class VerifyPlan(PipelineMessage):
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    # v3: the draft's top tokens after each node (row i = node i), for the pruner; the
+    # pruner's threshold on its score at exit_layers (None: score and keep everything)
+    alternatives: np.ndarray | None = None  # int32 [n, k]
+    prune_threshold: float | None = None
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
         return body
+
+    @staticmethod
+    def upgrade_from_2(body: dict) -> dict:
+        return body  # v3 only adds fields with defaults
 
     def _check(self) -> None:
         _non_negative(self, "position")
@@ -244,6 +273,7 @@ class VerifyPlan(PipelineMessage):
             raise ValueError("VerifyPlan.depths must be the parent's depth plus one")
         if not _increasing(self.exit_layers):
             raise ValueError("VerifyPlan.exit_layers must be increasing layer indices")
+        _alternatives(self, n)
 
 
 @register
@@ -252,16 +282,33 @@ class ExitHidden(PipelineMessage):
     """NpuVerifier -> CpuPruner: hidden states after ``layer`` for the surviving nodes.
 
     The rows of the buffer behind ``handle`` follow ``node_ids`` (strictly increasing).
+    v2 adds what the pruner scores with, over all n nodes of the plan: ``tokens``,
+    ``parents``, the draft's ``alternatives`` after each node, and the ``threshold``
+    (None: keep every node, only score them).
     """
     KIND: ClassVar[str] = "verify.exit_hidden"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     layer: int
     node_ids: np.ndarray  # int32 [m]
     handle: int
+    tokens: np.ndarray | None = None    # int32 [n]
+    parents: np.ndarray | None = None   # int32 [n]
+    alternatives: np.ndarray | None = None  # int32 [n, k]
+    threshold: float | None = None
+
+    @staticmethod
+    def upgrade_from_1(body: dict) -> dict:
+        return body  # v2 only adds fields with defaults
 
     def _check(self) -> None:
         _non_negative(self, "layer", "handle")
         _vector(self, "node_ids", "int32", increasing=True)
+        if self.tokens is not None:
+            n = _vector(self, "tokens", "int32").shape[0]
+            _vector(self, "parents", "int32", n)
+            _alternatives(self, n)
+            if self.node_ids.size and self.node_ids[-1] >= n:
+                raise ValueError("ExitHidden.node_ids must index the plan's nodes")
 
 
 @register
@@ -283,7 +330,7 @@ class PruneMask(PipelineMessage):
 class VerifyDone(PipelineMessage):
     """NpuVerifier -> Acceptor: last-layer hidden states of ``node_ids`` behind ``handle``."""
     KIND: ClassVar[str] = "verify.done"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     node_ids: np.ndarray  # int32 [m], strictly increasing
     handle: int
     compute_s: float
@@ -300,15 +347,25 @@ class VerifyDone(PipelineMessage):
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    # v3: nodes the pruner dropped at an exit layer (their subtrees went with them). With
+    # pruning, tokens/parents/argmax cover every plan node, node_ids the survivors, and
+    # argmax is -1 where a node was not computed to the end
+    pruned: np.ndarray | None = None  # int32 [p]
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
         return body
 
+    @staticmethod
+    def upgrade_from_2(body: dict) -> dict:
+        return body  # v3 only adds a field with a default
+
     def _check(self) -> None:
         _non_negative(self, "handle")
         _vector(self, "node_ids", "int32", increasing=True)
         _seconds(self, "compute_s", "io_wait_s")
+        if self.pruned is not None:
+            _vector(self, "pruned", "int32", increasing=True)
 
 
 @register
@@ -343,7 +400,7 @@ class Commit(PipelineMessage):
 class PassStats(PipelineMessage):
     """Acceptor -> TreePlanner: measurements of one finished pass, for the cost model."""
     KIND: ClassVar[str] = "accept.stats"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     n_nodes: int
     n_accepted: int
     n_pruned: int
@@ -352,9 +409,21 @@ class PassStats(PipelineMessage):
     draft_s: float
     pass_s: float
     bytes_read: int
+    # v2: n_pruned counts the pruner's decisions; n_dropped adds their subtrees (nodes not
+    # computed to the end); n_pruned_wrong are pruned nodes the target would have accepted (the
+    # parent is on the accepted path and the node's token is the target's choice there): the
+    # pruner's misses, exact per pass
+    n_pruned_wrong: int = 0
+    n_dropped: int = 0
+
+    @staticmethod
+    def upgrade_from_1(body: dict) -> dict:
+        return body  # v2 only adds a field with a default
 
     def _check(self) -> None:
-        _non_negative(self, "n_nodes", "n_accepted", "n_pruned", "bytes_read")
+        _non_negative(self, "n_nodes", "n_accepted", "n_pruned", "bytes_read", "n_pruned_wrong", "n_dropped")
+        if not self.n_pruned_wrong <= self.n_pruned <= max(self.n_dropped, self.n_pruned) <= self.n_nodes:
+            raise ValueError("PassStats: need n_pruned_wrong <= n_pruned <= n_dropped <= n_nodes")
         if self.n_accepted > self.n_nodes or self.n_pruned > self.n_nodes:
             raise ValueError("PassStats: accepted and pruned counts cannot exceed n_nodes")
         _seconds(self, "io_s", "compute_s", "draft_s", "pass_s")
