@@ -46,7 +46,7 @@ class NpuVerifier:
 
     def __init__(self, target, streamed: list[int], pinned_sessions: dict, head_sessions, plans_recv, done_send,
                  ready_recv, released_send, pool, lanes, tracer, abort_recv, lookahead: int = 1,
-                 exits_send=None, masks_recv=None, hidden=None) -> None:
+                 exits_send=None, masks_recv=None, hidden=None, buckets: tuple[int, ...] = ()) -> None:
         self.m = target  # lever_actors.model.Transformer without resident layers
         self.streamed = streamed
         self.stage_count = target.n_layer + target.n_head_chunks  # layers, then the head's vocabulary slices
@@ -71,6 +71,8 @@ class NpuVerifier:
         self.aborted_sessions: set[int] = set()
         self.aborted = 0
         self.exits_send, self.masks_recv, self.hidden = exits_send, masks_recv, hidden  # the pruner's link
+        self.buckets = buckets  # static token shapes: a pass (and its survivors) is padded up to one
+        self.padded_rows = 0  # ghost rows computed so far (the price of static shapes)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from contextlib import AsyncExitStack
@@ -185,8 +187,8 @@ class NpuVerifier:
         tokens = np.asarray(plan.tokens, np.int64)
         n = len(tokens)
         base = kv.length
-        if base + n > kv.context:
-            raise RuntimeError(f"KV cache full: {base} + {n} > {kv.context}")
+        if base + max(n, plan.bucket) > kv.context:
+            raise RuntimeError(f"KV cache full: {base} + {max(n, plan.bucket)} > {kv.context}")
         self.base = base
         slots = np.arange(base, base + n)
         positions = plan.position + np.asarray(plan.depths, np.int64)
@@ -203,6 +205,8 @@ class NpuVerifier:
         slots_list = [slots[lo:hi] for lo, hi in self._chunks]
         feeds_list = [self.m.feeds(positions[lo:hi], s, lay) for (lo, hi), s, lay in zip(self._chunks, slots_list, layouts)]
         x = self.m.embedding.lookup(tokens)
+        if not plan.prefill and plan.bucket > n:
+            x, feeds_list, slots_list = self._pad(x, feeds_list, slots_list, n, plan.bucket - n)
         acc = {"compute_s": 0.0, "wait_s": 0.0, "bytes_read": 0}
         head_parts: list[np.ndarray] = []
         prune = None
@@ -310,7 +314,41 @@ class NpuVerifier:
         prune["alive"] = keep
         if keep.sum() == len(ids):
             return x, feeds_list, slots_list, np.arange(len(ids))
-        sel = np.flatnonzero(keep[ids])  # rows (within the current ones) that go on
-        self._chunks = [(0, len(sel))]
+        sel = np.flatnonzero(keep[ids])  # rows (within the current ones) that go on; ghost rows are dropped
         feeds = {k: (v[:, sel] if k == "kv_index" else v[sel]) for k, v in feeds_list[0].items()}
-        return np.ascontiguousarray(x[sel]), [feeds], [slots_list[0][sel]], np.arange(len(sel))
+        x, feeds_list, slots_list = np.ascontiguousarray(x[sel]), [feeds], [slots_list[0][sel]]
+        from lever_actors.planner import bucket_for
+
+        # back to a static shape (the survivors' bucket); ghost slots follow all of the plan's nodes
+        x, feeds_list, slots_list = self._pad(x, feeds_list, slots_list, len(plan.tokens),
+                                              bucket_for(len(sel), self.buckets) - len(sel))
+        return x, feeds_list, slots_list, np.arange(len(sel))
+
+    def _pad(self, x, feeds_list, slots_list, n_plan: int, ghosts: int):
+        """Append ``ghosts`` rows that copy the root (row 0) into scratch slots after the plan's nodes.
+
+        A ghost attends exactly as the root does and writes its K/V only into its own
+        slot, which no node reads and no commit keeps; its outputs are never used
+        (the head computes real rows only), so padding changes no number.
+        """
+        if ghosts <= 0:
+            self._chunks = [(0, len(x))]
+            return x, feeds_list, slots_list
+        self.padded_rows += ghosts
+        feeds, slots = feeds_list[0], slots_list[0]
+        ghost_slots = self.base + n_plan + np.arange(ghosts)
+        if np.intersect1d(ghost_slots, slots).size or ghost_slots[-1] >= self.m.kv.context:
+            raise RuntimeError(f"ghost slots {ghost_slots[0]}..{ghost_slots[-1]} would overwrite a node's K/V "
+                               f"or leave the cache of {self.m.kv.context}")
+        pick = np.zeros(ghosts, np.int64)  # every ghost is a copy of row 0
+        out = {}
+        for k, v in feeds.items():
+            if k == "kv_index":
+                g = v[:, pick].copy()
+                g[:, :, 1] = ghost_slots[None, :]
+                out[k] = np.concatenate([v, g], axis=1)
+            else:
+                out[k] = np.concatenate([v, v[pick]])
+        x = np.concatenate([x, x[pick]])
+        self._chunks = [(0, len(x))]
+        return x, [out], [np.concatenate([slots, ghost_slots])]

@@ -83,7 +83,17 @@ def summarize(rows: list[dict]) -> dict:
         "mean_tree_nodes": _median([r["stats"]["mean_tree_nodes"] for r in rows
                                     if r["stats"].get("mean_tree_nodes") is not None]),
         "ttft_s": _median([r["prefill_s"] for r in rows]),
+        **_prune_summary(rows),
     }
+
+
+def _prune_summary(rows: list[dict]) -> dict:
+    """Early-exit pruning over all prompts: decisions, dropped nodes, exact misses, precision, recall."""
+    total = {k: sum(r["stats"].get(k, 0) for r in rows) for k in ("pruned_nodes", "dropped_nodes", "pruned_wrong")}
+    accepted = sum(r["stats"].get("draft_n_accepted", 0) for r in rows)
+    p, w = total["pruned_nodes"], total["pruned_wrong"]
+    return {**total, "prune_precision": 1 - w / p if p else None,
+            "prune_recall": accepted / (accepted + w) if accepted + w else None}
 
 
 def run_bench(args) -> int:
@@ -176,8 +186,16 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
         r["floor_ms_per_token"] = floor_ms_per_token(r, bw["bytes_per_s"])
         r["vs_floor"] = r["ms_per_token"] / r["floor_ms_per_token"] if r["floor_ms_per_token"] else None
     ref = out["modes"].get("flash-ar", {}).get("tokens_per_s")
+    chains = [m for m, c in configs.items() if c.mode == "flash-chain"]
+    best_chain = max(chains, key=lambda m: out["modes"][m]["tokens_per_s"]) if chains else None
+    resident = out["modes"].get("resident-ar", {}).get("tokens_per_s")
     for m in configs:
-        out["modes"][m]["speedup_vs_flash_ar"] = out["modes"][m]["tokens_per_s"] / ref if ref else None
+        r = out["modes"][m]
+        r["speedup_vs_flash_ar"] = r["tokens_per_s"] / ref if ref else None
+        # the best chain of this run (its gamma is named), and the distance to a resident target
+        r["best_chain"] = best_chain
+        r["speedup_vs_best_chain"] = r["tokens_per_s"] / out["modes"][best_chain]["tokens_per_s"] if best_chain else None
+        r["vs_resident_ar"] = r["tokens_per_s"] / resident if resident else None
     return out
 
 
@@ -201,7 +219,7 @@ def print_table(results: dict, modes: list[str]) -> None:
     if bw:
         print(f"flash read bandwidth (O_DIRECT={bw['direct_io']}): {bw['bytes_per_s'] / 1e9:.2f} GB/s")
     cols = ("mode", "tok/s", "ms/tok", "floor", "acc/pass", "MB/tok", "io s/pass", "cmp s/pass", "overlap",
-            "vs flash-ar")
+            "vs flash-ar", "vs chain", "vs resident", "pruned", "prune P/R")
     print(" ".join(f"{c:>12}" for c in cols))
     for m in modes:
         r = results["modes"][m]
@@ -209,8 +227,14 @@ def print_table(results: dict, modes: list[str]) -> None:
         vals = (m, f"{r['tokens_per_s']:.2f}", f"{r['ms_per_token']:.0f}", f"{r['floor_ms_per_token']:.0f}",
                 f"{r['mean_accepted']:.2f}",
                 f"{r['flash_bytes_per_token'] / 1e6:.1f}", f"{r['io_s_per_pass']:.3f}", f"{r['compute_s_per_pass']:.3f}",
-                f"{r['overlap']:.2f}", "-" if sp is None else f"{sp:.2f}x")
+                f"{r['overlap']:.2f}", "-" if sp is None else f"{sp:.2f}x",
+                _ratio(r.get("speedup_vs_best_chain")), _ratio(r.get("vs_resident_ar")), str(r.get("pruned_nodes", 0)),
+                "-" if r.get("prune_precision") is None else f"{r['prune_precision']:.2f}/{r['prune_recall']:.2f}")
         print(" ".join(f"{v:>12}" for v in vals))
+
+
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def check_lossless(results: dict, modes: list[str], params) -> None:

@@ -57,6 +57,9 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--prune-layer", type=int, default=None, metavar="L",
                    help="lever: score nodes after target layer L (0-based) and drop the hopeless ones "
                         "(default: the calibrated layer of the target; see tools/calibrate_prune.py)")
+    g.add_argument("--buckets", default=None, metavar="LIST",
+                   help="static token shapes of the verification lane, e.g. 1,2,4,8,16,32,64: each pass is padded "
+                        "to the next bucket, as a static-shape NPU needs (default off: CPU kernels take any size)")
     g.add_argument("--prune-threshold", type=float, default=None, metavar="M",
                    help="lever: drop a node whose logit-lens margin over the draft's alternatives is below M "
                         "(default: the calibrated threshold; pruning is off for a target never calibrated)")

@@ -96,6 +96,7 @@ class EngineConfig:
     prune: bool = True  # lever: early-exit pruning (when the target has a calibration or a threshold is given)
     prune_layer: int | None = None  # None: the calibrated exit layer
     prune_threshold: float | None = None  # None: the calibrated threshold
+    buckets: tuple[int, ...] = ()  # static token shapes of verification passes (() = exact sizes, the CPU default)
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
@@ -128,6 +129,7 @@ class EngineConfig:
             trace=getattr(args, "trace", None), overlap=not getattr(args, "no_overlap", False),
             fixed_tree=getattr(args, "fixed_tree", False), prune=not getattr(args, "no_prune", False),
             prune_layer=getattr(args, "prune_layer", None), prune_threshold=getattr(args, "prune_threshold", None),
+            buckets=_buckets(getattr(args, "buckets", None)),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
     def mode_string(self) -> str:
@@ -143,6 +145,15 @@ class EngineConfig:
     @property
     def drafted(self) -> bool:
         return self.mode in DRAFTED
+
+
+def _buckets(text: str | None) -> tuple[int, ...]:
+    from lever_actors.planner import parse_buckets
+
+    try:
+        return parse_buckets(text)
+    except ValueError as e:
+        raise ConfigError(f"--buckets: {e}") from None
 
 
 def sampling_from_args(args) -> SamplingParams:

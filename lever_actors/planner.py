@@ -20,6 +20,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest static shape (token bucket) holding ``n`` rows; ``n`` itself with no buckets."""
+    if not buckets:
+        return n
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} tokens exceed the largest token bucket {buckets[-1]}")
+
+
+def parse_buckets(text: str | None) -> tuple[int, ...]:
+    """'1,2,4,8,16,32,64' -> (1, 2, 4, 8, 16, 32, 64); None, '' or 'off' -> () (no padding)."""
+    if text is None or text.strip().lower() in ("", "off", "none"):
+        return ()
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"token buckets are comma-separated integers like 1,2,4,8,16,32,64, got {text!r}") from None
+    if values[0] < 1 or any(b <= a for a, b in zip(values, values[1:])):
+        raise ValueError(f"token buckets must be increasing positive integers, got {text!r}")
+    return values
+
+
 PROB_BINS = np.array([0.0, 0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95, 1.0001])
 
 
@@ -72,13 +95,14 @@ class CostModel:
     alpha: float = 0.25
     floor_s: float | None = None
     draft_per_node_s: float = 0.0
+    buckets: tuple[int, ...] = ()  # with static shapes a pass computes its bucket's rows, not its nodes
     _sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # weights of 1, n, n^2, c, n*c
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
     def observe(self, n_nodes: int, pass_s: float, compute_s: float, draft_s: float) -> None:
-        n = float(max(n_nodes, 1))
+        n = float(bucket_for(max(n_nodes, 1), self.buckets))
         self._sums = (1 - self.alpha) * self._sums + self.alpha * np.array([1.0, n, n * n, compute_s, n * compute_s])
         self.floor_s = self._ema(self.floor_s, max(pass_s - draft_s, compute_s))
         self.draft_per_node_s = (1 - self.alpha) * self.draft_per_node_s + self.alpha * draft_s / n
@@ -102,7 +126,8 @@ class CostModel:
 
     def cost(self, n_nodes: int) -> float:
         c0, c1 = self.compute_line()
-        return max(self.floor_s, c0 + c1 * n_nodes) + self.draft_per_node_s * n_nodes
+        rows = bucket_for(n_nodes, self.buckets) if not self.buckets or n_nodes <= self.buckets[-1] else n_nodes
+        return max(self.floor_s, c0 + c1 * rows) + self.draft_per_node_s * n_nodes
 
 
 def path_probabilities(parents: np.ndarray, cond: np.ndarray) -> np.ndarray:

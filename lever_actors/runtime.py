@@ -142,6 +142,7 @@ class Pipeline:
         from lever_actors.planner import LeverPolicy
 
         self.lever = LeverPolicy()  # calibration and costs persist across generations
+        self.lever.costs.buckets = cfg.buckets
         self.prune_exits: tuple[int, ...] = ()  # exit layers of lever passes (set when a pruner runs)
         self.prune_threshold: float | None = None
         self.prune_note = "off"
@@ -186,7 +187,9 @@ class Pipeline:
             width = 2 if cfg.mode == "lever" else TREE_WIDTH
             top_k, max_depth = TREE_TOP_K, max(1, min(-(-gamma // width), TREE_MAX_DEPTH))
         draft_cap = gamma
-        check_context(len(prompt_ids), max_tokens, self.target.context, slack=gamma + 1)
+        from lever_actors.planner import bucket_for
+
+        check_context(len(prompt_ids), max_tokens, self.target.context, slack=bucket_for(gamma + 1, cfg.buckets))
         self.session_id += 1
         sid = self.session_id
         stats = RunStats()
@@ -275,7 +278,7 @@ class Pipeline:
                 depths[i] = depths[parents[i]] + 1
             await self.plan_send.send(VerifyPlan(
                 session_id=sid, step=step, epoch=0, position=len(prompt_ids) + len(out) - 1, tokens=tokens,
-                parents=parents, depths=depths, bucket=k,
+                parents=parents, depths=depths, bucket=bucket_for(k, cfg.buckets),
                 prev_accepted=prev_accepted, want_logits=not params.greedy, draft_dists=dists,
                 exit_layers=self.prune_exits if pruning else (), alternatives=alts if pruning else None,
                 prune_threshold=self.prune_threshold if pruning else None, **sampling))
@@ -342,7 +345,8 @@ class Pipeline:
             self.stale += 1
 
     def verifier_stats(self) -> dict:
-        return {"direct_io": self.prefetcher.direct, "pinned_layers": len(self.plan.pinned),
+        return {"direct_io": self.prefetcher.direct, "padded_rows": self.verifier.padded_rows,
+                "pinned_layers": len(self.plan.pinned),
                 "streamed_layers": len(self.plan.streamed), "head_streamed": self.plan.head_streamed}
 
 
@@ -403,6 +407,9 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
             raise ModelIncompatible(
                 f"draft {db.path} and target {tb.path} have different vocabularies "
                 f"({db.dims['vocab_size']} vs {tb.dims['vocab_size']} tokens, digest {str(dv)[:12]} vs {str(tv)[:12]})")
+    if cfg.buckets and cfg.buckets[-1] < (cfg.gamma + 1 if cfg.drafted else 1):
+        raise ConfigError(f"the largest token bucket ({cfg.buckets[-1]}) must hold a whole tree "
+                          f"({cfg.gamma + 1} tokens for {cfg.mode_string()})")
     exits, threshold, prune_note = prune_setting(cfg, tb, prune_exits)
     head_rows = None
     if exits:
@@ -446,7 +453,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
             pruner = CpuPruner(head_rows, target.eps, exits_recv, masks_send, hidden, lanes, tracer, prune_record)
         verifier = NpuVerifier(target, [s.stage for s in stages], target.resident, target.head_sessions,
                                plan_recv, done_send, ready_recv, rel_send, pool, lanes, tracer, abort_recv,
-                               **({"exits_send": exits_send, "masks_recv": masks_recv, "hidden": hidden}
+                               buckets=cfg.buckets, **({"exits_send": exits_send, "masks_recv": masks_recv, "hidden": hidden}
                                   if pruner is not None else {}))
         acceptor = Acceptor(done_recv, commit_send, stats_send, tracer)
         drafter = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -79,3 +80,20 @@ def test_cost_model_charges_waited_drafting():
     assert abs(cm.draft_per_node_s - 0.03) < 1e-12
     assert abs(cm.floor_s - 1.2) < 1e-12
     assert cm.cost(20) > cm.cost(10) > cm.cost(1)
+
+
+def test_bucket_helpers_and_the_cost_of_static_shapes():
+    from lever_actors.planner import CostModel, bucket_for, parse_buckets
+
+    assert parse_buckets("1,2,4,8") == (1, 2, 4, 8) and parse_buckets("off") == () and parse_buckets(None) == ()
+    for bad in ("4,2", "0,1", "a,b", "1,1"):
+        with pytest.raises(ValueError):
+            parse_buckets(bad)
+    assert [bucket_for(n, (1, 2, 4, 8)) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert bucket_for(7, ()) == 7
+    with pytest.raises(ValueError, match="largest token bucket"):
+        bucket_for(9, (1, 2, 4, 8))
+    cm = CostModel(buckets=(1, 2, 4, 8, 16))
+    for n in (1, 2, 4, 8, 16) * 4:  # compute = 0.01 per row of the bucket
+        cm.observe(n, pass_s=0.01 * n, compute_s=0.01 * n, draft_s=0.0)
+    assert cm.cost(5) == pytest.approx(cm.cost(8)) and cm.cost(9) > cm.cost(8)  # flat inside a bucket

@@ -270,3 +270,54 @@ def test_an_ort_layout_target_refuses_to_stream(tiny_bundles):
         trio.run(generate, cfg, ort_bundle, None, ids)
     toks, _, _ = trio.run(generate, EngineConfig(mode="resident-ar", context=CONTEXT), ort_bundle, None, ids)
     assert toks  # resident, it runs
+
+
+@pytest.mark.parametrize("mode,size,threshold", [("flash-chain", 5, None), ("flash-tree", 9, None),
+                                                 ("lever", 24, None), ("lever", 24, 0.0)])
+def test_static_token_buckets_pad_passes_without_changing_output(tiny_bundles, ar_tokens, mode, size, threshold):
+    target, draft = tiny_bundles
+    cfg = EngineConfig(mode=mode, gamma=size, context=CONTEXT, dram_budget=24 * 2**20, buckets=(1, 2, 4, 8, 16, 32),
+                       prune_threshold=threshold, fixed_tree=threshold is not None)
+    toks, stats, pipe = trio.run(generate, cfg, target, target if threshold is not None else draft,
+                                 tokenizer(target).encode(PROMPT))
+    assert toks == ar_tokens
+    assert stats["padded_rows"] > 0  # some pass was not a power of two
+    if threshold is not None:
+        assert stats["dropped_nodes"] > 0  # survivors were re-padded to their own bucket
+
+
+@pytest.mark.parametrize("buckets,gamma,match", [((1, 2, 4), 8, "largest token bucket"),
+                                                 ((1, 2, 4, 8), 8, "largest token bucket")])
+def test_buckets_that_cannot_hold_a_tree_are_refused(tiny_bundles, buckets, gamma, match):
+    from lever_actors.errors import ConfigError
+
+    target, draft = tiny_bundles
+    cfg = EngineConfig(mode="flash-chain", gamma=gamma, context=CONTEXT, dram_budget=24 * 2**20, buckets=buckets)
+    with pytest.raises(ConfigError, match=match):
+        trio.run(generate, cfg, target, draft, [1, 2, 3])
+
+
+@pytest.mark.parametrize("buckets", [(), (1, 2, 4, 8, 16, 32)], ids=["exact", "buckets"])
+def test_target_cache_holds_exactly_the_committed_sequence_after_pruning(tiny_bundles, ar_tokens, buckets):
+    """Pruning at two exits (and ghost rows of static buckets) must never touch a survivor's K/V:
+    the target's committed rows equal a plain prefill of prompt + output, bit for bit."""
+    import functools
+
+    import numpy as np
+
+    from lever_actors.bundle import load_bundle
+    from lever_actors.model import Transformer
+    from lever_actors.ortrt import LaneConfig
+
+    target = tiny_bundles[0]
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="lever", gamma=24, context=CONTEXT, dram_budget=24 * 2**20, prune_threshold=-0.05,
+                       fixed_tree=True, buckets=buckets)
+    toks, stats, pipe = trio.run(functools.partial(generate, cfg, target, target, ids, prune_exits=(0, 1)))
+    assert toks == ar_tokens and stats["dropped_nodes"] > 0
+    kv = pipe.target.kv
+    n = kv.length  # prompt + every committed token but the last (the next root)
+    ref = Transformer(load_bundle(target), CONTEXT, LaneConfig())
+    ref.prefill((ids + toks)[:n])
+    np.testing.assert_array_equal(kv.k[:, :, :n], ref.kv.k[:, :, :n])
+    np.testing.assert_array_equal(kv.v[:, :, :n], ref.kv.v[:, :, :n])
