@@ -27,11 +27,21 @@
 #define LEVER_AVX512 1
 #endif
 
-enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3 };
+enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3, T_Q5_0 = 4 };
 #define QK 256
+
+/* Activations carry one scale per group of QK columns. Rows of the 32-block types (Q8_0,
+ * Q5_0, F32) need only be a multiple of 32 (the 0.5B draft's rows are 896 wide): their
+ * last group is then partial, group_len() columns long. K-quant rows are whole groups. */
+static inline int64_t n_groups(int64_t k) { return (k + QK - 1) / QK; }
+static inline int64_t group_len(int64_t k, int64_t s) { return k - s * QK < QK ? k - s * QK : QK; }
+static inline int is_kquant(int type) { return type == T_Q4_K || type == T_Q6_K; }
 
 static float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#ifdef __F16C__
+    return _cvtsh_ss(h); /* exact, like the portable code below */
+#endif
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0) {
         if (man == 0) bits = sign;
@@ -52,6 +62,7 @@ static size_t row_bytes(int type, int64_t k) {
     case T_Q4_K: return (size_t)(k / QK) * 144;
     case T_Q6_K: return (size_t)(k / QK) * 210;
     case T_Q8_0: return (size_t)(k / 32) * 34;
+    case T_Q5_0: return (size_t)(k / 32) * 22;
     default: return (size_t)k * 4;
     }
 }
@@ -69,17 +80,18 @@ static void q4k_scale_min(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
 /* ---------------------------------------------------------------- activations */
 
 static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t *bsums) {
-    for (int64_t s = 0; s < k / QK; s++) {
+    for (int64_t s = 0; s < n_groups(k); s++) {
         const float *xs = x + s * QK;
+        const int gl = (int)group_len(k, s);
         float amax = 0.0f;
-        for (int e = 0; e < QK; e++) { float a = fabsf(xs[e]); if (a > amax) amax = a; }
+        for (int e = 0; e < gl; e++) { float a = fabsf(xs[e]); if (a > amax) amax = a; }
         int8_t *qs = q + s * QK;
         if (amax == 0.0f) {
-            memset(qs, 0, QK);
+            memset(qs, 0, gl);
             d[s] = 0.0f;
         } else {
             float iscale = 127.0f / amax;
-            for (int e = 0; e < QK; e++) {
+            for (int e = 0; e < gl; e++) {
                 float v = nearbyintf(xs[e] * iscale);
                 if (v > 127.0f) v = 127.0f;
                 if (v < -127.0f) v = -127.0f;
@@ -89,7 +101,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t
         }
         for (int j = 0; j < QK / 16; j++) {
             int32_t t = 0;
-            for (int e = 0; e < 16; e++) t += qs[j * 16 + e];
+            for (int e = 0; e < 16 && j * 16 + e < gl; e++) t += qs[j * 16 + e];
             bsums[s * (QK / 16) + j] = t;
         }
     }
@@ -179,6 +191,70 @@ static inline int32_t dot_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t
     return total;
 #endif
 }
+
+/* Q5_0 block: fp16 d, 32 high bits, 16 bytes of low nibbles; value e is d * (q_e - 16) */
+static inline void unpack_q5_0(const uint8_t *b, int8_t *w, float *d) {
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    const uint8_t *qs = b + 6;
+    *d = f16_to_f32(b);
+    for (int e = 0; e < 16; e++) {
+        w[e] = (int8_t)(((qs[e] & 0x0F) | (((qh >> e) & 1) << 4)) - 16);
+        w[e + 16] = (int8_t)(((qs[e] >> 4) | (((qh >> (e + 16)) & 1) << 4)) - 16);
+    }
+}
+
+#ifdef LEVER_AVX2
+/* The same block as 32 int8 in one register: nibbles plus the fifth bit expanded from qh. */
+static inline __m256i q5_0_avx2(const uint8_t *b) {
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    /* byte e of the result holds bit e of qh: bytes of qh spread 8 apiece, then one bit per byte */
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+    return _mm256_sub_epi8(_mm256_or_si256(nib, hi), _mm256_set1_epi8(16));
+}
+
+/* Q8_0 / Q5_0 against activation rows [0, n) for one group: eight float lanes per output
+ * (acc + 8*i), each block's exact integer dot scaled and added lane-wise in block order, so
+ * a row's result depends on nothing but its own operands (batch- and thread-invariant). */
+static void block_q32_avx2(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q,
+                           const float *d, float *acc) {
+    const int64_t nsb = n_groups(k);
+    const int nb = (int)(group_len(k, s) / 32), bs = type == T_Q8_0 ? 34 : 22;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i w[8], aw[8];
+    float dw[8];
+    for (int c = 0; c < nb; c++) { /* unpack the group once, reuse it for every row */
+        const uint8_t *blk = b + bs * c;
+        w[c] = type == T_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : q5_0_avx2(blk);
+        aw[c] = _mm256_sign_epi8(w[c], w[c]);
+        dw[c] = f16_to_f32(blk);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int8_t *a = q + i * k + s * QK;
+        const float da = d[i * nsb + s];
+        /* even and odd blocks in two register chains, joined once: a fixed order for every row */
+        __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
+        for (int c = 0; c < nb; c++) {
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(a + 32 * c));
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], _mm256_sign_epi8(av, w[c])), ones);
+            if (c & 1) v1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[c] * da), v1);
+            else v0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[c] * da), v0);
+        }
+        _mm256_storeu_ps(acc + 8 * i, _mm256_add_ps(_mm256_loadu_ps(acc + 8 * i), _mm256_add_ps(v0, v1)));
+    }
+}
+
+static inline float hsum8(const float *a) {
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+#endif
 
 /* sum of 32 int8 * int8 */
 static inline int32_t dot_i8(const int8_t *w, const int8_t *a) {
@@ -295,7 +371,7 @@ static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
  * The float combination below is the only float arithmetic of the int8 path. */
 static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
                      const int32_t *bsums, float *acc) {
-    const int64_t nsb = k / QK;
+    const int64_t nsb = n_groups(k);
     if (type == T_Q4_K) {
         float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
         uint8_t sc[8], mn[8];
@@ -317,14 +393,26 @@ static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n
             int32_t isum = dot_q6k(b, b + 128, sc, q + i * k + s * QK) - 32 * off;
             acc[i] += d[i * nsb + s] * (dw * (float)isum);
         }
-    } else { /* Q8_0: eight 34-byte blocks per 256 activations */
+    } else if (type == T_Q8_0) { /* up to eight 34-byte blocks per group of activations */
+        const int nb = (int)(group_len(k, s) / 32);
         for (int64_t i = 0; i < n; i++) {
             const int8_t *a = q + i * k + s * QK;
             float fs = 0.0f;
-            for (int c = 0; c < 8; c++) {
+            for (int c = 0; c < nb; c++) {
                 const uint8_t *blk = b + 34 * c;
                 fs += f16_to_f32(blk) * (float)dot_i8((const int8_t *)(blk + 2), a + 32 * c);
             }
+            acc[i] += d[i * nsb + s] * fs;
+        }
+    } else { /* Q5_0: 22-byte blocks, unpacked once to int8 (q - 16) and reused for every row */
+        const int nb = (int)(group_len(k, s) / 32);
+        int8_t wq[8][32];
+        float dw[8];
+        for (int c = 0; c < nb; c++) unpack_q5_0(b + 22 * c, wq[c], &dw[c]);
+        for (int64_t i = 0; i < n; i++) {
+            const int8_t *a = q + i * k + s * QK;
+            float fs = 0.0f;
+            for (int c = 0; c < nb; c++) fs += dw[c] * (float)dot_i8(wq[c], a + 32 * c);
             acc[i] += d[i * nsb + s] * fs;
         }
     }
@@ -333,7 +421,7 @@ static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n
 /* ------------------------------------------------------ fp32 activation path */
 
 /* Weights of one 256-block as floats, exactly as GGUF dequantizes them. */
-static void dequant_block(int type, const uint8_t *b, float *w) {
+static void dequant_block(int type, const uint8_t *b, float *w, int64_t gl) {
     if (type == T_Q4_K) {
         float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
         uint8_t sc[8], mn[8];
@@ -363,13 +451,20 @@ static void dequant_block(int type, const uint8_t *b, float *w) {
             }
         }
     } else if (type == T_Q8_0) {
-        for (int c = 0; c < 8; c++) {
+        for (int c = 0; c < gl / 32; c++) {
             const uint8_t *blk = b + 34 * c;
             float dw = f16_to_f32(blk);
             for (int e = 0; e < 32; e++) w[32 * c + e] = dw * (float)((const int8_t *)(blk + 2))[e];
         }
+    } else if (type == T_Q5_0) {
+        for (int c = 0; c < gl / 32; c++) {
+            int8_t wq[32];
+            float dw;
+            unpack_q5_0(b + 22 * c, wq, &dw);
+            for (int e = 0; e < 32; e++) w[32 * c + e] = dw * (float)wq[e];
+        }
     } else {
-        memcpy(w, b, QK * sizeof(float));
+        memcpy(w, b, (size_t)gl * sizeof(float));
     }
 }
 
@@ -389,7 +484,6 @@ static inline float dot_d(const float *a, const float *b, int64_t d) {
     return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
-static inline float dot_f32(const float *w, const float *x) { return dot_d(w, x, QK); }
 
 /* ------------------------------------------------------------------- driver */
 
@@ -414,16 +508,19 @@ typedef struct {
 static void *run_job(void *arg) {
     Job *jb = (Job *)arg;
     const size_t rb = row_bytes(jb->type, jb->k);
-    const int64_t nsb = jb->k / QK, n = jb->n > 0 ? jb->n : 1;
+    const int64_t nsb = n_groups(jb->k), n = jb->n > 0 ? jb->n : 1;
 #ifdef LEVER_AVX512
-    const int64_t lanes = !jb->x && (jb->type == T_Q4_K || jb->type == T_Q6_K) ? 16 : 1;
+    const int64_t lanes = !jb->x && is_kquant(jb->type) ? 16 : !jb->x && (jb->type == T_Q8_0 || jb->type == T_Q5_0) ? 8 : 1;
+#elif defined(LEVER_AVX2)
+    const int64_t lanes = !jb->x && (jb->type == T_Q8_0 || jb->type == T_Q5_0) ? 8 : 1;
 #else
     const int64_t lanes = 1;
 #endif
     float *acc = malloc(sizeof(float) * (size_t)(n * ROW_GROUP * lanes));
     float *wf = jb->x ? malloc(sizeof(float) * QK) : NULL;
     if (!acc || (jb->x && !wf)) { jb->failed = 1; free(acc); free(wf); return NULL; }
-    const size_t block = jb->type == T_Q4_K ? 144 : jb->type == T_Q6_K ? 210 : jb->type == T_Q8_0 ? 272 : QK * 4;
+    const size_t block = jb->type == T_Q4_K ? 144 : jb->type == T_Q6_K ? 210 : jb->type == T_Q8_0 ? 272
+                       : jb->type == T_Q5_0 ? 176 : QK * 4;
     /* a single activation row gains nothing from grouping: stream each weight row contiguously */
     const int64_t group = jb->n <= 2 ? 1 : ROW_GROUP;
     for (int64_t j0 = jb->j0; j0 < jb->j1; j0 += group) {
@@ -434,12 +531,16 @@ static void *run_job(void *arg) {
                 const uint8_t *b = jb->w + (size_t)(j0 + r) * rb + (size_t)s * block;
                 float *ar = acc + r * n * lanes;
                 if (jb->x) {
-                    dequant_block(jb->type, b, wf);
-                    for (int64_t i = 0; i < jb->n; i++) ar[i] += dot_f32(wf, jb->x + i * jb->k + s * QK);
+                    const int64_t gl = group_len(jb->k, s);
+                    dequant_block(jb->type, b, wf, gl);
+                    for (int64_t i = 0; i < jb->n; i++) ar[i] += dot_d(wf, jb->x + i * jb->k + s * QK, gl);
                 }
 #ifdef LEVER_AVX512
                 else if (jb->type == T_Q4_K) block_q4k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
                 else if (jb->type == T_Q6_K) block_q6k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
+#endif
+#ifdef LEVER_AVX2
+                else if (lanes == 8) block_q32_avx2(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, ar);
 #endif
                 else block_q8(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
             }
@@ -448,7 +549,10 @@ static void *run_job(void *arg) {
             for (int64_t i = 0; i < jb->n; i++) {
                 const float *a = acc + (r * n + i) * lanes;
 #ifdef LEVER_AVX512
-                jb->out[i * jb->out_stride + j0 + r] = lanes == 16 ? _mm512_reduce_add_ps(_mm512_loadu_ps(a)) : a[0];
+                jb->out[i * jb->out_stride + j0 + r] = lanes == 16 ? _mm512_reduce_add_ps(_mm512_loadu_ps(a))
+                                                     : lanes == 8 ? hsum8(a) : a[0];
+#elif defined(LEVER_AVX2)
+                jb->out[i * jb->out_stride + j0 + r] = lanes == 8 ? hsum8(a) : a[0];
 #else
                 jb->out[i * jb->out_stride + j0 + r] = a[0];
 #endif
@@ -508,14 +612,15 @@ static PyObject *py_quantize_rows(PyObject *self, PyObject *args) {
     Py_ssize_t n, k;
     if (!PyArg_ParseTuple(args, "y*w*w*w*nn", &x, &q, &d, &bs, &n, &k)) return NULL;
     PyObject *ret = NULL;
-    if (k % QK) { PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, QK); goto done; }
-    if (!need(&x, n * k * 4, "x") || !need(&q, n * k, "q") || !need(&d, n * (k / QK) * 4, "d") ||
-        !need(&bs, n * (k / 16) * 4, "bsums"))
+    if (k % 32) { PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of 32", k); goto done; }
+    const Py_ssize_t g = n_groups(k);
+    if (!need(&x, n * k * 4, "x") || !need(&q, n * k, "q") || !need(&d, n * g * 4, "d") ||
+        !need(&bs, n * g * 16 * 4, "bsums"))
         goto done;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)
-        quantize_row((const float *)x.buf + i * k, k, (int8_t *)q.buf + i * k, (float *)d.buf + i * (k / QK),
-                     (int32_t *)bs.buf + i * (k / 16));
+        quantize_row((const float *)x.buf + i * k, k, (int8_t *)q.buf + i * k, (float *)d.buf + i * g,
+                     (int32_t *)bs.buf + i * g * 16);
     Py_END_ALLOW_THREADS
     ret = Py_None;
     Py_INCREF(ret);
@@ -535,13 +640,17 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     int have_x = xo != Py_None;
     if (have_x && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto done0;
-    if (type < T_Q4_K || type > T_F32) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
-    if (k % QK) { PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, QK); goto done; }
+    if (type < T_Q4_K || type > T_Q5_0) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
+    if (k % (is_kquant(type) ? QK : 32)) {
+        PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, is_kquant(type) ? QK : 32);
+        goto done;
+    }
+    const Py_ssize_t g = n_groups(k);
     if (type == T_F32 && !have_x) { PyErr_SetString(PyExc_TypeError, "F32 weights need fp32 activations"); goto done; }
     if (!need(&w, m * (Py_ssize_t)row_bytes(type, k), "weights") || !need(&out, ((n - 1) * stride + m) * 4, "out"))
         goto done;
     if (have_x ? !need(&x, n * k * 4, "x")
-               : (!need(&q, n * k, "q") || !need(&d, n * (k / QK) * 4, "d") || !need(&bs, n * (k / 16) * 4, "bsums")))
+               : (!need(&q, n * k, "q") || !need(&d, n * g * 4, "d") || !need(&bs, n * g * 16 * 4, "bsums")))
         goto done;
     Job job = {type, w.buf, k, n, 0, m, q.buf, d.buf, bs.buf, have_x ? x.buf : NULL, out.buf, stride, 0};
     int failed;

@@ -29,7 +29,8 @@ from gguf import GGUFReader
 
 from lever_actors.bundle import FORMAT, FORMAT_VERSION, RegionWriter
 from lever_actors.errors import ModelError, UnsupportedModel
-from lever_actors.quant import BLOCK_LAYOUT, NATIVE_ROW, SUPPORTED_TYPES, map_weight, native_weight, tensor_nbytes
+from lever_actors.quant import (BLOCK_LAYOUT, SUPPORTED_TYPES, map_weight, native_row_multiple, native_weight,
+                                tensor_nbytes)
 
 ARCHITECTURES = ("qwen2", "llama")
 ROPE_STYLE = {"qwen2": "neox", "llama": "norm"}
@@ -106,8 +107,8 @@ class _Tensors:
         return native_weight(self.raw(name), t.tensor_type, int(t.shape[0]), int(t.shape[1]))
 
     def native_capable(self) -> bool:
-        """Can every matrix take the native layout (row length a multiple of 256)?"""
-        return all(int(t.shape[0]) % NATIVE_ROW == 0 for n, t in self.by_name.items()
+        """Can every matrix take the native layout (rows of whole blocks and activation groups)?"""
+        return all(int(t.shape[0]) % native_row_multiple(t.tensor_type) == 0 for n, t in self.by_name.items()
                    if len(t.shape) == 2 and n != "token_embd.weight")
 
 

@@ -4,8 +4,9 @@ A thin checked wrapper over ``lever_actors._kernels`` (csrc/kernels.c). Weights
 are consumed in the bytes the GGUF file stores, so a streamed layer is usable
 the moment its read completes: no session build, no prepack, no copy.
 
-Activations are quantized per row to int8 with one scale per 256 elements
-(:func:`quantize_rows`), so a token's result never depends on the other rows of
+Activations are quantized per row to int8 with one scale per group of 256
+elements (:func:`quantize_rows`; the last group of a row that is a multiple of 32
+but not of 256, like the 0.5B draft's 896, is partial), so a token's result never depends on the other rows of
 its pass; :func:`matmul` splits the *output* columns across threads, never a
 reduction, so results are also independent of the thread count.
 """
@@ -24,8 +25,19 @@ except ImportError as e:  # pragma: no cover - a broken install, not a runtime c
     ) from e
 
 QK = 256
-TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "F32": 3}
-BLOCK = {"Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "F32": (4, 1)}
+TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "F32": 3, "Q5_0": 4}
+BLOCK = {"Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "F32": (4, 1), "Q5_0": (22, 32)}
+KQUANTS = ("Q4_K", "Q6_K")  # super-blocks of 256: their rows must be whole activation groups
+
+
+def row_multiple(qtype: str) -> int:
+    """What a row length must be a multiple of for ``qtype`` (256 for K-quants, else 32)."""
+    return QK if qtype in KQUANTS else 32
+
+
+def groups(k: int) -> int:
+    """Activation scale groups of a row of ``k`` (the last one may be partial)."""
+    return -(-k // QK)
 
 
 def simd() -> str:
@@ -35,8 +47,8 @@ def simd() -> str:
 
 class QuantizedRows(NamedTuple):
     q: np.ndarray  # int8 [N, K]
-    d: np.ndarray  # float32 [N, K/256]
-    bsums: np.ndarray  # int32 [N, K/16]
+    d: np.ndarray  # float32 [N, groups(K)]
+    bsums: np.ndarray  # int32 [N, 16 * groups(K)]
 
 
 def row_bytes(qtype: str, k: int) -> int:
@@ -56,8 +68,8 @@ class NativeMatrix:
     def __post_init__(self) -> None:
         if self.qtype not in TYPES:
             raise ValueError(f"unsupported native weight type {self.qtype!r}; supported: {', '.join(TYPES)}")
-        if self.k % QK:
-            raise ValueError(f"row length {self.k} is not a multiple of {QK}")
+        if self.k % row_multiple(self.qtype):
+            raise ValueError(f"row length {self.k} is not a multiple of {row_multiple(self.qtype)}")
         dtype, shape = (np.float32, (self.n, self.k)) if self.qtype == "F32" else (np.uint8, (self.n, row_bytes(self.qtype, self.k)))
         if self.data.dtype != dtype or self.data.shape != shape:
             raise ValueError(f"{self.qtype} [{self.k}, {self.n}] needs {np.dtype(dtype).name} data of shape {shape}, "
@@ -76,9 +88,10 @@ def _rows(x: np.ndarray, what: str) -> np.ndarray:
 def quantize_rows(x: np.ndarray) -> QuantizedRows:
     x = _rows(x, "activations")
     n, k = x.shape
-    if k % QK:
-        raise ValueError(f"row length {k} is not a multiple of {QK}")
-    out = QuantizedRows(np.empty((n, k), np.int8), np.empty((n, k // QK), np.float32), np.empty((n, k // 16), np.int32))
+    if k % 32:
+        raise ValueError(f"row length {k} is not a multiple of 32")
+    g = groups(k)
+    out = QuantizedRows(np.empty((n, k), np.int8), np.empty((n, g), np.float32), np.empty((n, 16 * g), np.int32))
     _kernels.quantize_rows(x, out.q, out.d, out.bsums, n, k)
     return out
 
@@ -90,12 +103,13 @@ def matmul(w: NativeMatrix, a: QuantizedRows | np.ndarray, threads: int = 1, out
     """``a @ W^T`` -> float32 ``[N, w.n]``; ``a`` quantized rows (int8 path) or float32 rows (fp32 path)."""
     if isinstance(a, QuantizedRows):
         n, k = a.q.shape
-        for arr, dtype, shape in ((a.q, np.int8, (n, k)), (a.d, np.float32, (n, k // QK)), (a.bsums, np.int32, (n, k // 16))):
+        g = groups(k)
+        for arr, dtype, shape in ((a.q, np.int8, (n, k)), (a.d, np.float32, (n, g)), (a.bsums, np.int32, (n, 16 * g))):
             if arr.dtype != dtype or arr.shape != shape:
                 raise ValueError(f"quantized rows: expected {np.dtype(dtype).name} {shape}, got {arr.dtype} {arr.shape}")
         args = (a.q, a.d, a.bsums, None)
         if w.qtype == "F32":  # fp32 weights take the int8 rows' values (q * d) on the fp32 path
-            x = (a.q.reshape(n, -1, QK) * a.d[:, :, None]).reshape(n, k).astype(np.float32)
+            x = (a.q * np.repeat(a.d, QK, axis=1)[:, :k]).astype(np.float32)
             args = (_EMPTY, _EMPTY, _EMPTY, x)
     else:
         x = _rows(a, "activations")

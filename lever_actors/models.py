@@ -130,7 +130,8 @@ def fetch(roles=("target", "draft"), say: Callable[[str], None] | None = None) -
         dst = bundle_path(src)
         if (dst / "manifest.json").is_file():
             try:
-                load_bundle(dst)
+                if load_bundle(dst).layout != "native":  # converted before the kernels took 32-block rows
+                    raise ModelError(f"{dst} has the ORT layout; the native one takes a third less DRAM")
                 out[role] = dst
                 continue
             except ModelError as e:  # e.g. an older bundle format: rebuild it from the GGUF

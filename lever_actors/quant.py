@@ -224,22 +224,28 @@ def dequantize_rows(raw_rows: np.ndarray, qtype: QT, k: int) -> np.ndarray:
 
 
 # GGUF types the native kernels (lever_actors.kernels) consume as they are stored.
-NATIVE_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0)
-NATIVE_ROW = 256  # the kernels quantize activations per 256 columns
+NATIVE_TYPES = (QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.Q5_0)
+KQUANT_TYPES = (QT.Q4_K, QT.Q6_K)  # 256-element super-blocks
+
+
+def native_row_multiple(qtype: QT) -> int:
+    """Row lengths the native layout takes for ``qtype``: K-quants need whole 256-blocks (the
+    activation scale groups); everything else (kept or widened to fp32) needs 32."""
+    return 256 if qtype in KQUANT_TYPES else 32
 
 
 def native_weight(raw: np.ndarray, qtype: QT, k: int, n: int) -> tuple[str, np.ndarray]:
     """A ``[K, N]`` matrix in the native layout: ``(type name, data)``.
 
-    Q4_K, Q6_K and Q8_0 keep their GGUF block bytes (``uint8 [n, row_bytes]``).
+    Q4_K, Q6_K, Q8_0 and Q5_0 keep their GGUF block bytes (``uint8 [n, row_bytes]``).
     Any other supported type is widened to exact fp32 rows (``float32 [n, k]``):
     no rounding, but 4-8x the bytes, so a model made of such types streams slowly.
     """
     if qtype not in BLOCK_LAYOUT:
         raise UnsupportedModel(f"unsupported GGUF tensor type {qtype.name}; supported: {', '.join(SUPPORTED_TYPES)}")
-    if k % NATIVE_ROW:
-        raise UnsupportedModel(f"row length {k} is not a multiple of {NATIVE_ROW}: the native layout cannot hold it "
-                               "(convert with --layout ort)")
+    if k % native_row_multiple(qtype):
+        raise UnsupportedModel(f"{qtype.name} row length {k} is not a multiple of {native_row_multiple(qtype)}: the "
+                               "native layout cannot hold it (convert with --layout ort)")
     if qtype in NATIVE_TYPES:
         return qtype.name, _blocks(raw, n, k, qtype).reshape(n, -1)
     from gguf.quants import dequantize

@@ -376,8 +376,11 @@ def prune_setting(cfg, bundle, exits: tuple[int, ...] | None = None) -> tuple[tu
     else:
         threshold = cfg.prune_threshold if cfg.prune_threshold is not None else cal.get("threshold")
         if threshold is None:
-            return (), None, "off (no calibration for this target; give --prune-threshold)"
-        layer = cfg.prune_layer if cfg.prune_layer is not None else cal.get("exit_layer", min((2 * n_layer) // 3, n_layer - 2))
+            why = cal.get("verdict", "no calibration for this target; give --prune-threshold")
+            return (), None, f"off ({why})"
+        layer = cfg.prune_layer if cfg.prune_layer is not None else cal.get("exit_layer")
+        if layer is None:
+            layer = min((2 * n_layer) // 3, n_layer - 2)
         layers = (layer,)
     for layer in layers:
         if not 0 <= layer < n_layer - 1:

@@ -20,12 +20,20 @@ def tiny_gguf(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_bundles(tiny_gguf, tmp_path_factory) -> tuple[Path, Path]:
-    """(target, draft) bundles of the tiny pair, in the layouts of the real pair: native target, ORT draft."""
+    """(target, draft) bundles of the tiny pair, in the layouts of the real pair: both native."""
     from lever_actors.convert import convert
 
     out = tmp_path_factory.mktemp("bundles")
-    return tuple(convert(g, out / (g.stem + ".bundle"), progress=lambda m: None, layout=layout)
-                 for g, layout in zip(tiny_gguf, ("native", "ort")))
+    return tuple(convert(g, out / (g.stem + ".bundle"), progress=lambda m: None, layout="native") for g in tiny_gguf)
+
+
+@pytest.fixture(scope="session")
+def tiny_ort_draft(tiny_gguf, tmp_path_factory) -> Path:
+    """The tiny draft in the ORT layout (resident ONNX Runtime sessions; --layout ort)."""
+    from lever_actors.convert import convert
+
+    out = tmp_path_factory.mktemp("ort")
+    return convert(tiny_gguf[1], out / "tiny-draft-ort.bundle", progress=lambda m: None, layout="ort")
 
 
 def _real_pair_installed() -> bool:

@@ -26,9 +26,10 @@ from hypothesis import strategies as st
 
 from lever_actors import kernels as K
 
-BLOCK = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34)}  # elements, bytes per block
+BLOCK = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34), "Q5_0": (32, 22)}  # elements, bytes per block
 QTYPES = list(BLOCK)
-F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,)}  # byte offsets of f16 scales
+F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q5_0": (0,)}  # byte offsets of f16 scales
+BLOCK32 = ["Q8_0", "Q5_0"]  # rows need only be a multiple of 32: the last activation group is partial
 
 
 def bits(a) -> np.ndarray:
@@ -70,16 +71,20 @@ def activations(rows: int, k: int, seed: int) -> np.ndarray:
 
 
 def quantize_reference(x: np.ndarray):
-    """The spec's definition of quantize_rows, in float32 numpy."""
+    """The spec's definition of quantize_rows, in float32 numpy (a partial last group is
+    quantized over its own columns: zero padding changes neither its amax nor its sums)."""
     n, k = x.shape
-    xb = x.reshape(n, k // 256, 256)
+    g = -(-k // 256)
+    xb = np.zeros((n, g * 256), np.float32)
+    xb[:, :k] = x
+    xb = xb.reshape(n, g, 256)
     amax = np.abs(xb).max(-1)
     with np.errstate(divide="ignore"):
         iscale = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.clip(np.rint(xb * iscale[..., None]), -127, 127).astype(np.int8).reshape(n, k)
+    q = np.clip(np.rint(xb * iscale[..., None]), -127, 127).astype(np.int8).reshape(n, g * 256)
     d = (amax / np.float32(127)).astype(np.float32)
-    bsums = q.reshape(n, k // 16, 16).sum(-1, dtype=np.int32)
-    return q, d, bsums
+    bsums = q.reshape(n, g * 16, 16).sum(-1, dtype=np.int32)
+    return q[:, :k], d, bsums
 
 
 # ---- quantize_rows -------------------------------------------------------------------
@@ -105,9 +110,9 @@ def test_quantize_rows_matches_definition_exactly():
 
 
 @settings(max_examples=15, deadline=None)
-@given(rows=st.integers(1, 9), blocks=st.integers(1, 6), seed=st.integers(0, 2**32 - 1))
+@given(rows=st.integers(1, 9), blocks=st.integers(1, 48), seed=st.integers(0, 2**32 - 1))
 def test_quantize_rows_random(rows, blocks, seed):
-    x = activations(rows, 256 * blocks, seed)
+    x = activations(rows, 32 * blocks, seed)  # any multiple of 32: whole and partial groups
     got, ref = K.quantize_rows(x), quantize_reference(x)
     np.testing.assert_array_equal(got.q, ref[0])
     assert_bitwise(got.d, ref[1])
@@ -125,7 +130,7 @@ SHAPES = [(1, 37), (3, 40), (17, 16), (64, 37)]  # (activation rows N, output ro
 def test_matmul_int8_path(qtype, k, rows, n):
     w, wdq = weight(qtype, k, n)
     qa = K.quantize_rows(activations(rows, k, seed=k + n))
-    a = qa.q.astype(np.float64) * np.repeat(qa.d.astype(np.float64), 256, axis=1)
+    a = qa.q.astype(np.float64) * np.repeat(qa.d.astype(np.float64), 256, axis=1)[:, :k]
     y = K.matmul(w, qa)
     assert y.dtype == np.float32 and y.shape == (rows, n)
     assert max_rel_err(y, a @ wdq.astype(np.float64).T) < 1e-5
@@ -140,6 +145,22 @@ def test_matmul_float_path(qtype, k, rows, n):
     y = K.matmul(w, a)
     assert y.dtype == np.float32 and y.shape == (rows, n)
     assert max_rel_err(y, a.astype(np.float64) @ wdq.astype(np.float64).T) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", BLOCK32 + ["F32"])
+@pytest.mark.parametrize("k", [32, 96, 896, 4864 + 32])
+@pytest.mark.parametrize("rows,n", [(1, 37), (5, 40)])
+def test_matmul_rows_of_any_multiple_of_32(qtype, k, rows, n):
+    """The draft's 896-wide rows: the last activation group is partial, on both paths."""
+    w, wdq = weight(qtype, k, n)
+    ref = wdq.astype(np.float64).T
+    x = activations(rows, k, seed=k + rows)
+    assert max_rel_err(K.matmul(w, x), x.astype(np.float64) @ ref) < 1e-5
+    qa = K.quantize_rows(x)
+    a = qa.q.astype(np.float64) * np.repeat(qa.d.astype(np.float64), 256, axis=1)[:, :k]
+    assert max_rel_err(K.matmul(w, qa), a @ ref) < 1e-5
+    for i in range(rows):  # batch- and thread-invariant like every other width
+        assert_bitwise(K.matmul(w, K.quantize_rows(x[i:i + 1]), threads=3)[0], K.matmul(w, qa)[i])
 
 
 # ---- batch and thread invariance (bitwise) -------------------------------------------
@@ -225,7 +246,9 @@ def raises_value_error(fn, *args, **kw):
 
 def test_bad_inputs_raise_value_error():
     raises_value_error(K.quantize_rows, np.ones((2, 300), np.float32))
-    raises_value_error(K.quantize_rows, np.ones((2, 128), np.float32))
+    raises_value_error(K.quantize_rows, np.ones((2, 112), np.float32))
+    raises_value_error(K.NativeMatrix, "Q4_K", 896, 4, np.zeros((4, 504), np.uint8))  # K-quants: whole 256-blocks
+    raises_value_error(K.NativeMatrix, "Q5_0", 48, 4, np.zeros((4, 33), np.uint8))
     raises_value_error(K.NativeMatrix, "Q4_K", 512, 4, np.zeros((4, 287), np.uint8))
     raises_value_error(K.NativeMatrix, "Q4_K", 512, 4, np.zeros((3, 288), np.uint8))
     raises_value_error(K.NativeMatrix, "Q4_K", 384, 4, np.zeros((4, 216), np.uint8))

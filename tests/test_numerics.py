@@ -151,6 +151,10 @@ def test_native_layout_refuses_rows_it_cannot_hold():
     from lever_actors.errors import UnsupportedModel
     from lever_actors.quant import native_weight
 
-    raw = np.zeros((4, 96 // 32 * 34), np.uint8)  # a Q8_0 matrix with 96-element rows (the draft's 896 is alike)
-    with pytest.raises(UnsupportedModel, match="not a multiple of 256.*--layout ort"):
-        native_weight(raw, QT.Q8_0, 96, 4)
+    # 32-block types take any multiple of 32 (the draft's 896-wide rows); K-quants need whole 256-blocks
+    assert native_weight(np.zeros((4, 96 // 32 * 34), np.uint8), QT.Q8_0, 96, 4)[0] == "Q8_0"
+    assert native_weight(np.zeros((4, 96 // 32 * 22), np.uint8), QT.Q5_0, 96, 4)[0] == "Q5_0"
+    with pytest.raises(UnsupportedModel, match="Q8_0 row length 48 is not a multiple of 32.*--layout ort"):
+        native_weight(np.zeros((4, 48 * 34 // 32), np.uint8), QT.Q8_0, 48, 4)
+    with pytest.raises(UnsupportedModel, match="Q4_K row length 896 is not a multiple of 256.*--layout ort"):
+        native_weight(np.zeros((4, 896 * 144 // 256), np.uint8), QT.Q4_K, 896, 4)

@@ -121,11 +121,11 @@ def test_lens_margins_match_a_float64_reference(tiny_bundles):
         rows.close()
 
 
-def test_head_rows_need_a_native_head(tiny_bundles):
+def test_head_rows_need_a_native_head(tiny_ort_draft):
     from lever_actors.bundle import load_bundle
 
     with pytest.raises(ConfigError, match="native layout"):
-        HeadRows(load_bundle(tiny_bundles[1]))  # the ORT-layout draft
+        HeadRows(load_bundle(tiny_ort_draft))
 
 
 @pytest.fixture(scope="module")

@@ -57,13 +57,14 @@ def ar_tokens(tiny_bundles):
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-@pytest.mark.parametrize("draft_kind", ["perturbed", "exact", "unrelated"])
+@pytest.mark.parametrize("draft_kind", ["perturbed", "exact", "unrelated", "ort"])
 @pytest.mark.parametrize("mode,size", [("flash-chain", 1), ("flash-chain", 3), ("flash-chain", 7),
                                        ("flash-tree", 2), ("flash-tree", 9), ("flash-tree", 24)])
-def test_greedy_speculation_equals_resident_ar(tiny_bundles, unrelated_draft, ar_tokens, draft_kind, mode, size,
-                                               overlap):
+def test_greedy_speculation_equals_resident_ar(tiny_bundles, unrelated_draft, tiny_ort_draft, ar_tokens, draft_kind,
+                                               mode, size, overlap):
     target = tiny_bundles[0]
-    draft = {"perturbed": tiny_bundles[1], "exact": target, "unrelated": unrelated_draft}[draft_kind]
+    draft = {"perturbed": tiny_bundles[1], "exact": target, "unrelated": unrelated_draft,
+             "ort": tiny_ort_draft}[draft_kind]  # the draft on ONNX Runtime sessions (--layout ort) too
     ids = tokenizer(target).encode(PROMPT)
     cfg = EngineConfig(mode=mode, gamma=size, context=CONTEXT, dram_budget=24 * 2**20, overlap=overlap)
     toks, stats, _ = trio.run(generate, cfg, target, draft, ids)
@@ -259,11 +260,11 @@ def test_draft_cache_holds_exactly_the_committed_sequence(tiny_bundles, unrelate
     np.testing.assert_array_equal(d.m.kv.v[:, :, :n], ref.kv.v[:, :, :n])
 
 
-def test_an_ort_layout_target_refuses_to_stream(tiny_bundles):
+def test_an_ort_layout_target_refuses_to_stream(tiny_ort_draft):
     """Only native layers compute from their read buffer; an ORT bundle says how to fix it."""
     from lever_actors.errors import ConfigError
 
-    ort_bundle = tiny_bundles[1]  # the tiny draft is converted in the ORT layout, like the real one
+    ort_bundle = tiny_ort_draft
     ids = tokenizer(ort_bundle).encode(PROMPT)
     cfg = EngineConfig(mode="flash-ar", context=CONTEXT, dram_budget=24 * 2**20)
     with pytest.raises(ConfigError, match="cannot stream from flash.*--layout native"):
