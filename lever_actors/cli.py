@@ -29,6 +29,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=1, metavar="N",
                    help="threads of the verification lane's kernels (default 1; the draft and flash lanes "
                         "use the other core)")
+    g.add_argument("--draft-threads", type=int, default=1, metavar="N",
+                   help="threads of the drafting lane's kernels (default 1)")
     g.add_argument("--precision", choices=("int8", "fp32"), default="int8",
                    help="activation precision: int8 (default; fast, batch-invariant, lossless speculation) "
                         "or fp32 (reference numerics, slow, not batch-invariant)")

@@ -96,6 +96,7 @@ class EngineConfig:
     prune: bool = True  # lever: early-exit pruning (when the target has a calibration or a threshold is given)
     prune_layer: int | None = None  # None: the calibrated exit layer
     prune_threshold: float | None = None  # None: the calibrated threshold
+    draft_threads: int = 1  # threads of the drafting lane's kernels
     buckets: tuple[int, ...] = ()  # static token shapes of verification passes (() = exact sizes, the CPU default)
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
@@ -119,6 +120,8 @@ class EngineConfig:
             raise ConfigError(f"--context must be at least 16, got {args.context}")
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        if getattr(args, "draft_threads", 1) < 1:
+            raise ConfigError(f"--draft-threads must be >= 1, got {args.draft_threads}")
         bw = getattr(args, "flash_bandwidth", None)
         return cls(
             target=args.target, draft=args.draft, mode=mode, gamma=gamma, model=getattr(args, "model", "target"),
@@ -129,7 +132,7 @@ class EngineConfig:
             trace=getattr(args, "trace", None), overlap=not getattr(args, "no_overlap", False),
             fixed_tree=getattr(args, "fixed_tree", False), prune=not getattr(args, "no_prune", False),
             prune_layer=getattr(args, "prune_layer", None), prune_threshold=getattr(args, "prune_threshold", None),
-            buckets=_buckets(getattr(args, "buckets", None)),
+            buckets=_buckets(getattr(args, "buckets", None)), draft_threads=getattr(args, "draft_threads", 1),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
     def mode_string(self) -> str:

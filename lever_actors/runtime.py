@@ -426,7 +426,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         lambda: Transformer(tb, cfg.context, lane, resident_layers=list(plan.pinned), load_head=not plan.head_streamed))
     drafter_model = None
     if db is not None:
-        draft_lane = LaneConfig(threads=1, providers=("cpu",), precision=lane.precision)
+        draft_lane = LaneConfig(threads=cfg.draft_threads, providers=lane.providers, precision=lane.precision)
         drafter_model = await trio.to_thread.run_sync(lambda: Transformer(db, cfg.context, draft_lane))
     stages = [StreamStage(i, r.file, r.offset, r.nbytes) for i, r in enumerate(tb.layers) if i in plan.streamed]
     if plan.head_streamed:

@@ -51,6 +51,21 @@ def test_generate_with_a_bad_budget_or_mode(capsys, tiny_bundles):
     assert code == 1 and "unknown mode" in out
 
 
+@pytest.mark.parametrize("args,says", [(("--draft-threads", "0"), "--draft-threads must be >= 1"),
+                                       (("--buckets", "4,2"), "--buckets: token buckets must be increasing"),
+                                       (("--buckets", "1,2,x"), "--buckets: token buckets are comma-separated"),
+                                       (("--mode", "lever:8+no-prune", "--prune-threshold", "1"), None),
+                                       (("--mode", "lever:8", "--prune-layer", "9", "--prune-threshold", "0"),
+                                        "prune exit layer 9 must lie in 0..1")])
+def test_lane_and_prune_options_are_checked(capsys, tiny_bundles, args, says):
+    code, out = run(capsys, "generate", "def f(", "--target", str(tiny_bundles[0]), "--draft", str(tiny_bundles[1]),
+                    "--max-tokens", "3", "--context", "64", *args)
+    if says is None:  # +no-prune wins over a threshold: nothing to check, it runs
+        assert code == 0
+    else:
+        assert code == 1 and says in out
+
+
 def test_generate_json_on_the_tiny_model(capsys, tiny_bundles):
     import json
 
