@@ -56,15 +56,21 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
                    help="ablation: lever verifies the whole drafted tree instead of the gain/cost plan")
     g.add_argument("--no-prune", action="store_true",
                    help="ablation: lever computes every tree node through every layer (no early-exit pruning)")
+    _add_lever_args(g)
+
+
+def _add_lever_args(g) -> None:
+    """Options of lever's pruning and of the verification lane's shapes (generate, serve, bench)."""
     g.add_argument("--prune-layer", type=int, default=None, metavar="L",
                    help="lever: score nodes after target layer L (0-based) and drop the hopeless ones "
                         "(default: the calibrated layer of the target; see tools/calibrate_prune.py)")
+    g.add_argument("--prune-threshold", type=float, default=None, metavar="M",
+                   help="lever: drop a node whose logit-lens margin over the draft's alternatives is below M "
+                        "(default: the calibrated threshold; pruning is off for a target never calibrated "
+                        "or whose calibration found no threshold that pays)")
     g.add_argument("--buckets", default=None, metavar="LIST",
                    help="static token shapes of the verification lane, e.g. 1,2,4,8,16,32,64: each pass is padded "
                         "to the next bucket, as a static-shape NPU needs (default off: CPU kernels take any size)")
-    g.add_argument("--prune-threshold", type=float, default=None, metavar="M",
-                   help="lever: drop a node whose logit-lens margin over the draft's alternatives is below M "
-                        "(default: the calibrated threshold; pruning is off for a target never calibrated)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -117,13 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure modes side by side (see BENCHMARKS in the README)")
     b.add_argument("--modes", default="resident-ar,flash-ar,flash-chain:4,flash-chain:8",
-                   help="comma-separated modes; a mode may carry its parameter after a colon")
+                   help="comma-separated modes; a mode may carry its parameter after a colon, ablation flags "
+                        "after a plus and its own DRAM budget after an at sign, e.g. lever:16+no-prune, "
+                        "flash-ar@400MiB")
     b.add_argument("--humaneval", default="0:4", metavar="A:B", help="HumanEval problems A..B-1 (default 0:4)")
     b.add_argument("--prompts", metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line (overrides --humaneval)')
     b.add_argument("--dram-budget", default="1GiB", metavar="SIZE", help="DRAM budget of the flash modes (default 1GiB)")
     b.add_argument("--flash-bandwidth", default=None, metavar="RATE", help="cap flash reads, e.g. 800MB")
     b.add_argument("--json", dest="json_out", metavar="OUT", help="write per-mode and per-prompt figures to OUT")
     b.add_argument("--warmup", type=int, default=1, metavar="N", help="warm-up prompts per mode (default 1)")
+    _add_lever_args(b.add_argument_group("lever (every lever mode of the run)"))
     _add_sampling_args(b)
     _add_model_args(b)
     b.set_defaults(max_tokens=64)
