@@ -9,6 +9,8 @@ a prepacked copy per session: pinned ``layer_bytes * PREPACK_FACTOR``.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 # ORT keeps MatMulNBits weights in its own prepacked layout (scales and block sums
@@ -48,9 +50,19 @@ class BudgetPlan:
         return f"DRAM {mib(self.total)} of {cap}: " + ", ".join(parts)
 
 
+def spread(n: int, s: int) -> tuple[int, ...]:
+    """``s`` of the layers ``0..n-1``, evenly spaced and ending with the last one.
+
+    Streamed layers spread this way each have the compute of the pinned layers
+    before them to hide their read behind; bunched at the end, the last reads
+    would wait on the first ones' slots with nothing left to compute.
+    """
+    return tuple(sorted({int(math.floor((j + 1) * n / s + 0.5)) - 1 for j in range(s)})) if s else ()
+
+
 def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int], head_chunk_bytes: list[int],
                 max_slots: int = 4, in_place: bool = True) -> BudgetPlan:
-    """Pin as many target layers as fit (earliest first), stream the rest.
+    """Pin as many target layers as fit, stream the rest, spread through the pass (:func:`spread`).
 
     ``items`` are fixed costs that must be resident (draft, KV caches, activations).
     The LM head is pinned when it fits beside two stream slots; otherwise its
@@ -71,14 +83,21 @@ def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int
         spare = budget - sum(line.values()) - MIN_SLOTS * slot
         if spare < 0:
             continue
-        pinned: list[int] = []
+        fit = 0  # how many layers fit, taken in order (a lower bound on what can be pinned)
         for i in range(n):
             cost = int(layer_bytes[i] * factor)
             if cost > spare:
                 break
-            pinned.append(i)
+            fit += 1
             spare -= cost
-        streamed = tuple(i for i in range(n) if i not in pinned)
+        spare += sum(int(layer_bytes[i] * factor) for i in range(fit))
+        for n_streamed in range(n - fit, n + 1):  # spreading may pick smaller layers to stream: then one more
+            streamed = spread(n, n_streamed)
+            pinned = [i for i in range(n) if i not in streamed]
+            cost = sum(int(layer_bytes[i] * factor) for i in pinned)
+            if cost <= spare:
+                spare -= cost
+                break
         if not streamed and not head_streamed:
             return BudgetPlan(budget, line, tuple(pinned), (), False, 0, 0, tuple(layer_bytes), factor)
         extra = min(max_slots - MIN_SLOTS, spare // slot)

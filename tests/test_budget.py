@@ -1,11 +1,11 @@
-"""The DRAM planner: never over budget, pins a prefix, refuses with numbers."""
+"""The DRAM planner: never over budget, streams what it cannot pin spread through the pass, refuses with numbers."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lever_actors.budget import MIN_SLOTS, PREPACK_FACTOR, plan_budget
+from lever_actors.budget import MIN_SLOTS, PREPACK_FACTOR, plan_budget, spread
 from lever_actors.errors import BudgetError
 
 MB = 2**20
@@ -23,13 +23,28 @@ def test_plan_never_exceeds_the_budget(budget, layers, head, fixed, max_slots, i
         assert "raise --dram-budget" in str(e)
         return
     assert plan.total <= budget
-    assert plan.pinned == tuple(range(len(plan.pinned)))  # earliest layers pinned
+    assert plan.streamed == spread(len(layers), len(plan.streamed))  # evenly spread, the last layer streamed
     assert set(plan.pinned) | set(plan.streamed) == set(range(len(layers)))
     assert not set(plan.pinned) & set(plan.streamed)
     if plan.streamed or plan.head_streamed:
         assert MIN_SLOTS <= plan.n_slots <= max_slots
         # a slot holds the read buffer, plus the prepacked session copy unless layers compute in place
         assert plan.slot_bytes >= max(layers + head) * (1 if in_place else 1 + PREPACK_FACTOR) - 1
+
+
+@given(n=st.integers(1, 64), data=st.data())
+def test_spread_is_even_distinct_and_ends_with_the_last_layer(n, data):
+    s = data.draw(st.integers(0, n))
+    got = spread(n, s)
+    assert len(got) == s and len(set(got)) == s and all(0 <= i < n for i in got)
+    if s:
+        assert got[-1] == n - 1
+        gaps = [b - a for a, b in zip((-1,) + got, got)]
+        assert max(gaps) - min(gaps) <= 1  # as even as integers allow
+
+
+def test_flash_ar_at_one_gib_streams_every_seventh_layer():
+    assert spread(28, 4) == (6, 13, 20, 27)
 
 
 def test_unlimited_budget_pins_everything():
