@@ -185,19 +185,28 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
         r.update(summarize(r["prompts"]))
         r["floor_ms_per_token"] = floor_ms_per_token(r, bw["bytes_per_s"])
         r["vs_floor"] = r["ms_per_token"] / r["floor_ms_per_token"] if r["floor_ms_per_token"] else None
-    ref = out["modes"].get("flash-ar", {}).get("tokens_per_s")
-    # the best chain at the run's own budget (a mode with its own '@SIZE' budget is another setting)
-    chains = [m for m, c in configs.items() if c.mode == "flash-chain" and "@" not in m]
-    best_chain = max(chains, key=lambda m: out["modes"][m]["tokens_per_s"]) if chains else None
-    resident = out["modes"].get("resident-ar", {}).get("tokens_per_s")
-    for m in configs:
-        r = out["modes"][m]
-        r["speedup_vs_flash_ar"] = r["tokens_per_s"] / ref if ref else None
-        # the best chain of this run (its gamma is named), and the distance to a resident target
-        r["best_chain"] = best_chain
-        r["speedup_vs_best_chain"] = r["tokens_per_s"] / out["modes"][best_chain]["tokens_per_s"] if best_chain else None
-        r["vs_resident_ar"] = r["tokens_per_s"] / resident if resident else None
+    add_ratios(out["modes"])
     return out
+
+
+def add_ratios(modes: dict) -> None:
+    """Each mode's speed over ``flash-ar``, over the run's best ``flash-chain`` and against ``resident-ar``.
+
+    The best chain is taken at the run's own budget: a mode with its own ``@SIZE``
+    budget (e.g. a chain with the whole target resident) is another setting.
+    """
+    def speed(name):
+        return modes.get(name, {}).get("tokens_per_s")
+
+    from lever_actors.engine import parse_mode
+
+    chains = [m for m in modes if "@" not in m and parse_mode(m)[0] == "flash-chain"]
+    best_chain = max(chains, key=speed) if chains else None
+    for r in modes.values():
+        for key, ref in (("speedup_vs_flash_ar", speed("flash-ar")), ("speedup_vs_best_chain", speed(best_chain)),
+                         ("vs_resident_ar", speed("resident-ar"))):
+            r[key] = r["tokens_per_s"] / ref if ref else None
+        r["best_chain"] = best_chain
 
 
 async def _one(pipe, tok, text: str, max_tokens: int, params) -> dict:

@@ -45,6 +45,9 @@ def test_spread_is_even_distinct_and_ends_with_the_last_layer(n, data):
 
 def test_flash_ar_at_one_gib_streams_every_seventh_layer():
     assert spread(28, 4) == (6, 13, 20, 27)
+    # the planner itself: 28 equal layers, room for 24 beside two slots -> the same four streamed
+    plan = plan_budget(31 * MB + 2 * 10 * MB + 24 * 10 * MB, {"kv": 30 * MB}, [10 * MB] * 28, [1 * MB], max_slots=2)
+    assert plan.pinned and plan.streamed == (6, 13, 20, 27)
 
 
 def test_unlimited_budget_pins_everything():

@@ -54,14 +54,16 @@ def test_generate_with_a_bad_budget_or_mode(capsys, tiny_bundles):
 @pytest.mark.parametrize("args,says", [(("--draft-threads", "0"), "--draft-threads must be >= 1"),
                                        (("--buckets", "4,2"), "--buckets: token buckets must be increasing"),
                                        (("--buckets", "1,2,x"), "--buckets: token buckets are comma-separated"),
-                                       (("--mode", "lever:8+no-prune", "--prune-threshold", "1"), None),
+                                       (("--mode", "lever:8+no-prune", "--prune-threshold", "1", "--json"), None),
                                        (("--mode", "lever:8", "--prune-layer", "9", "--prune-threshold", "0"),
                                         "prune exit layer 9 must lie in 0..1")])
 def test_lane_and_prune_options_are_checked(capsys, tiny_bundles, args, says):
     code, out = run(capsys, "generate", "def f(", "--target", str(tiny_bundles[0]), "--draft", str(tiny_bundles[1]),
                     "--max-tokens", "3", "--context", "64", *args)
-    if says is None:  # +no-prune wins over a threshold: nothing to check, it runs
-        assert code == 0
+    if says is None:  # +no-prune wins over a threshold
+        import json
+
+        assert code == 0 and json.loads(out.strip().splitlines()[-1])["stats"]["prune"] == "off"
     else:
         assert code == 1 and says in out
 
@@ -152,6 +154,21 @@ def test_bench_prompt_sources_refuse_bad_input(tmp_path):
         file_prompts(str(f))
 
 
+def test_bench_ratios_use_the_best_chain_at_the_runs_own_budget():
+    from lever_actors.bench import add_ratios
+
+    modes = {m: {"tokens_per_s": v} for m, v in {"resident-ar": 10.0, "flash-ar": 8.0, "flash-chain:4": 12.0,
+                                                   "flash-chain:8+no-overlap": 16.0, "flash-chain:8@unlimited": 20.0,
+                                                   "lever:16": 24.0}.items()}
+    add_ratios(modes)
+    lever = modes["lever:16"]
+    assert lever["best_chain"] == "flash-chain:8+no-overlap"  # not the chain with its own (unlimited) budget
+    assert (lever["speedup_vs_flash_ar"], lever["speedup_vs_best_chain"], lever["vs_resident_ar"]) == (3.0, 1.5, 2.4)
+    bare = {"lever:16": {"tokens_per_s": 5.0}}
+    add_ratios(bare)
+    assert bare["lever:16"]["speedup_vs_flash_ar"] is None and bare["lever:16"]["best_chain"] is None
+
+
 def test_bench_runs_modes_side_by_side_and_writes_the_documented_json(tiny_bundles, tmp_path, capsys):
     """`lever-actors bench` end to end on the tiny pair: table, losslessness check, JSON shape."""
     import json
@@ -182,6 +199,12 @@ def test_bench_runs_modes_side_by_side_and_writes_the_documented_json(tiny_bundl
         compute_ms = 1000 * r["compute_s_per_pass"] / r["mean_accepted"]
         assert r["floor_ms_per_token"] == pytest.approx(max(io_ms, compute_ms))
     assert data["modes"]["flash-chain:3+no-overlap"]["spec_hits"] == 0
+    # ratios against the run's own best chain (a mode with its own '@SIZE' budget is not a candidate)
+    assert {r["best_chain"] for r in data["modes"].values()} == {"flash-chain:3+no-overlap"}
+    chain_tps = data["modes"]["flash-chain:3+no-overlap"]["tokens_per_s"]
+    for r in data["modes"].values():
+        assert r["speedup_vs_best_chain"] == pytest.approx(r["tokens_per_s"] / chain_tps)
+        assert r["vs_resident_ar"] == pytest.approx(r["tokens_per_s"] / data["modes"]["resident-ar"]["tokens_per_s"])
     assert data["modes"]["flash-ar@3MiB"]["flash_bytes_per_token"] > 0 == data["modes"]["resident-ar"]["flash_bytes_per_token"]
 
 
@@ -213,3 +236,25 @@ def test_mode_text_carries_flags_and_a_budget_or_fails_clearly():
                      ("warp:3", "unknown mode 'warp'")):
         with pytest.raises(ConfigError, match=why):
             cfg("--mode", bad)
+
+
+def test_fetch_reconverts_an_ort_layout_bundle_to_native(tiny_gguf, tmp_path, monkeypatch):
+    """A draft converted before the kernels took 32-block rows is rebuilt, with a message."""
+    from lever_actors import models
+    from lever_actors.bundle import load_bundle
+    from lever_actors.convert import convert
+
+    monkeypatch.setenv("LEVER_HOME", str(tmp_path))
+    src = models.ModelSource("draft", "tiny-draft", "none-", "0", 1, 0, "0" * 64)
+    monkeypatch.setitem(models.DEFAULT_PAIR, "draft", src)
+    monkeypatch.setattr(models, "assemble_gguf", lambda s, say: tiny_gguf[1])
+    dst = models.bundle_path(src)
+    dst.parent.mkdir(parents=True)
+    convert(tiny_gguf[1], dst, progress=lambda m: None, layout="ort")
+    said: list[str] = []
+    out = models.fetch(roles=("draft",), say=said.append)
+    assert out["draft"] == dst and load_bundle(dst).layout == "native"
+    assert any("ORT layout" in m and "converting again" in m for m in said)
+    said.clear()
+    models.fetch(roles=("draft",), say=said.append)  # native now: kept as it is
+    assert not any("converting again" in m for m in said)

@@ -83,3 +83,24 @@ def _fields(msg) -> dict:
     import dataclasses
 
     return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+
+
+def test_alternatives_list_the_drafts_top_tokens_after_every_expanded_node(tiny_bundles):
+    """The pruner's rivals: row 0 after the root, row i+1 after node i, best first, holding every
+    child drafted there; a node never scored lists only its own token."""
+    d = _drafter(tiny_bundles[1])
+    exp = d.draft(_req(0, root_token=PROMPT[-1], position=len(PROMPT) - 1, committed=tuple(PROMPT), reset=True,
+                       max_nodes=12, max_depth=4, top_k=3))
+    alt, parents, tokens = exp.alternatives, exp.parents, exp.tokens
+    assert alt.shape == (len(tokens) + 1, 4) and alt.dtype == np.int32
+    expanded = {-1} | {int(p) for p in parents}
+    for v, (p, t) in enumerate(zip(parents, tokens)):
+        assert t in alt[p + 1][:3]  # a top-3 child is among its parent's top tokens
+    for v in range(len(tokens)):
+        own = (alt[v + 1] == tokens[v]).all()
+        if v in expanded:
+            assert len(set(alt[v + 1].tolist())) == 4  # four distinct best tokens
+        else:  # a leaf: never scored (last level), or scored but none of its children kept
+            assert own or len(set(alt[v + 1].tolist())) == 4
+    # row 0 is the draft's own ranking after the root: its best is the first drafted child
+    assert alt[0][0] == tokens[0]

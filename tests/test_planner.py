@@ -93,7 +93,11 @@ def test_bucket_helpers_and_the_cost_of_static_shapes():
     assert bucket_for(7, ()) == 7
     with pytest.raises(ValueError, match="largest token bucket"):
         bucket_for(9, (1, 2, 4, 8))
-    cm = CostModel(buckets=(1, 2, 4, 8, 16))
-    for n in (1, 2, 4, 8, 16) * 4:  # compute = 0.01 per row of the bucket
-        cm.observe(n, pass_s=0.01 * n, compute_s=0.01 * n, draft_s=0.0)
+    buckets = (1, 2, 4, 8, 16)
+    cm = CostModel(buckets=buckets)
+    for n in (1, 3, 5, 9, 2, 7) * 4:  # compute = 0.01 per row of the bucket, whatever the node count
+        rows = bucket_for(n, buckets)
+        cm.observe(n, pass_s=0.01 * rows, compute_s=0.01 * rows, draft_s=0.0)
+    c0, c1 = cm.compute_line()
+    assert c0 == pytest.approx(0, abs=1e-9) and c1 == pytest.approx(0.01)  # fitted on bucket rows
     assert cm.cost(5) == pytest.approx(cm.cost(8)) and cm.cost(9) > cm.cost(8)  # flat inside a bucket

@@ -80,6 +80,11 @@ def test_misses_count_only_pruned_nodes_the_target_would_have_taken():
     argmax = np.array([11, 14, -1, -1, -1])  # after node 1 the target wants 14 (node 4)
     assert misses(parents, tokens, argmax, [0, 1], [4]) == 1  # node 4 would have been accepted
     assert misses(parents, tokens, argmax, [0, 1], [2, 3]) == 0  # 2 is off-path, 3 is not the target's token
+    # node 5 under the rejected node 2 carries the token the target wanted after 2: not a miss,
+    # since 2 itself was not accepted
+    parents, tokens = np.append(parents, 2), np.append(tokens, 15)
+    argmax = np.array([11, 14, 15, -1, -1, -1])
+    assert misses(parents, tokens, argmax, [0, 1], [5]) == 0
 
 
 def test_lens_margins_match_a_float64_reference(tiny_bundles):
@@ -114,6 +119,11 @@ def test_lens_margins_match_a_float64_reference(tiny_bundles):
             lens = head @ z[parents[v]]
             rivals = [c for c in alts[parents[v]] if c != tokens[v]]
             assert got[j] == pytest.approx(lens[tokens[v]] - max(lens[c] for c in rivals), rel=1e-9, abs=1e-9)
+        # a parent whose only alternative is the node's own token offers no rival: never pruned
+        lone = alts.copy()
+        lone[1] = tokens[3]
+        got = lens_margins(hidden, {0: 0, 1: 1, 2: 2, 3: 3}, parents, tokens, lone, rows, rows.norm, 1e-6, nodes)
+        assert got[2] == np.inf and np.isfinite(got[:2]).all()
         assert len(rows.cache) <= 3
         with pytest.raises(ValueError, match="outside the vocabulary"):
             rows([vocab])
@@ -204,3 +214,42 @@ def test_no_prune_mode_flag_round_trips():
     cfg = EngineConfig().with_mode("lever:16+no-prune")
     assert not cfg.prune and cfg.mode_string() == "lever:16+no-prune"
     assert EngineConfig().with_mode("lever:16").prune
+
+
+def _samples(tmp_path, separable: bool):
+    """A samples file of 40 passes: root -> 1 (accepted) -> 3 (accepted), root -> 2 (rejected)."""
+    import json
+
+    # separable: the rejected node 2 scores lowest; not: it scores highest and accepted node 3 lowest
+    margins = {"1": 5.0, "2": -5.0, "3": 5.0} if separable else {"1": 5.0, "2": 6.0, "3": 3.0}
+    passes = [[[-1, 0, 0, 1], [0, 1, 3], {"20": margins}] for _ in range(40)]
+    path = tmp_path / f"samples-{separable}.json"
+    path.write_text(json.dumps({"a": 0, "b": 8, "max_tokens": 16, "mode": "lever:16", "passes": passes}))
+    return path
+
+
+@pytest.mark.parametrize("separable", [True, False])
+def test_calibration_tool_fits_from_samples(tmp_path, separable):
+    import json
+
+    from tools.calibrate_prune import main
+
+    out = tmp_path / "fit.json"
+    # a loose recall target, so only the estimated speed-up (tokens lost vs compute saved) decides
+    assert main(["--from-samples", str(_samples(tmp_path, separable)), "--json", str(out), "--recall", "0.5"]) == 0
+    fit = json.loads(out.read_text())
+    if separable:  # the rejected sibling goes, nothing accepted is lost
+        assert fit["exit_layer"] == 20 and -5.0 < fit["threshold"] <= 5.0
+        assert fit["recall"] == 1.0 and fit["precision"] == 1.0 and fit["est_speedup"] > 1.0
+    else:  # pruning node 3 keeps half the recall but loses a third of the tokens: it does not pay
+        assert fit["exit_layer"] is None and "no threshold" in fit["verdict"]
+
+
+@pytest.mark.parametrize("args", [["--humaneval", "70:90"], ["--exits", "4,x"], ["--recall", "1.5"],
+                                  ["--from-samples", "/nonexistent/samples.json"]])
+def test_calibration_tool_refuses_bad_input(args, capsys):
+    from tools.calibrate_prune import main
+
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2 and "error:" in capsys.readouterr().err

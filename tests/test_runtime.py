@@ -322,3 +322,11 @@ def test_target_cache_holds_exactly_the_committed_sequence_after_pruning(tiny_bu
     ref.prefill((ids + toks)[:n])
     np.testing.assert_array_equal(kv.k[:, :, :n], ref.kv.k[:, :, :n])
     np.testing.assert_array_equal(kv.v[:, :, :n], ref.kv.v[:, :, :n])
+
+
+def test_lane_threads_are_configuration(tiny_bundles, ar_tokens):
+    target, draft = tiny_bundles
+    cfg = EngineConfig(mode="flash-chain", gamma=3, context=CONTEXT, dram_budget=24 * 2**20, draft_threads=2)
+    toks, _, pipe = trio.run(generate, cfg, target, draft, tokenizer(target).encode(PROMPT))
+    assert toks == ar_tokens
+    assert pipe.drafter.m.lane.threads == 2 and pipe.target.lane.threads == cfg.lane.threads == 1

@@ -116,12 +116,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=None)
     ap.add_argument("--draft", default=None)
     args = ap.parse_args(argv)
-    a, b = (int(x) for x in args.humaneval.split(":"))
+    try:
+        a, b = (int(x) for x in args.humaneval.split(":"))
+    except ValueError:
+        ap.error(f"--humaneval wants A:B (problems A..B-1), got {args.humaneval!r}")
     if b > 80 or a < 0 or a >= b:
         ap.error("calibrate on development problems only: A:B within 0:80 (80-163 are held out)")
     if not 0.5 <= args.recall < 1:
         ap.error("--recall must lie in [0.5, 1)")
-    exits = tuple(sorted({int(x) for x in args.exits.split(",")}))
+    try:
+        exits = tuple(sorted({int(x) for x in args.exits.split(",")}))
+    except ValueError:
+        ap.error(f"--exits wants comma-separated layer numbers such as 8,16,24, got {args.exits!r}")
+    saved = None
+    if args.from_samples:
+        try:
+            saved = json.loads(Path(args.from_samples).read_text())
+            if not isinstance(saved, dict) or not {"passes", "a", "b", "max_tokens", "mode"} <= saved.keys():
+                raise ValueError("missing keys")
+        except (OSError, ValueError) as e:
+            ap.error(f"--from-samples {args.from_samples}: not a samples file written by --samples ({e!r})")
+    from lever_actors.errors import LeverError
+
+    try:
+        return fit_and_report(args, a, b, exits, saved)
+    except LeverError as e:
+        print(f"calibrate: {e}", file=sys.stderr)
+        return 1
+
+
+def fit_and_report(args, a: int, b: int, exits: tuple[int, ...], saved: dict | None) -> int:
+    """Record (or load) scored passes, fit the exit layer and threshold, report and store them."""
+    from lever_actors.prune import CALIBRATION_FILE
 
     import trio
 
@@ -153,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             return pipe.verdicts
 
     n_layer = load_bundle(target_dir).n_layer
-    if args.from_samples:
-        saved = json.loads(Path(args.from_samples).read_text())
+    if saved is not None:
         passes = [(np.asarray(par), set(acc), {int(l): {int(v): m for v, m in mm.items()} for l, mm in ms.items()})
                   for par, acc, ms in saved["passes"]]
         a, b, args.max_tokens, args.mode = saved["a"], saved["b"], saved["max_tokens"], saved["mode"]
