@@ -146,12 +146,16 @@ class Drafter:
                 cands = []
                 for r, node in enumerate(frontier):
                     p = self._distribution(logits[r], params)
-                    if not params.greedy:
-                        dists[node] = p.astype(np.float32)
+                    if params.greedy:  # one top-k selection serves the children and the pruner's rivals
+                        alts[node] = self._children(p, min(max(ALTERNATIVES, req.top_k), len(p)), params,
+                                                    req.step, node)
+                        children = alts[node][:req.top_k]
+                        alts[node] = alts[node][:ALTERNATIVES]
                     else:
-                        alts[node] = self._children(p, min(ALTERNATIVES, len(p)), params, req.step, node)
+                        dists[node] = p.astype(np.float32)
+                        children = self._children(p, req.top_k, params, req.step, node)
                     base_p = path_p[node] if node >= 0 else 1.0
-                    for tok in self._children(p, req.top_k, params, req.step, node):
+                    for tok in children:
                         cands.append((base_p * float(p[tok]), node, tok, float(p[tok])))
                 cands.sort(key=lambda c: -c[0])
                 # a level holds at most max_nodes/max_depth nodes, so the budget buys depth

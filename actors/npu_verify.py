@@ -6,6 +6,8 @@ import time
 import numpy as np
 import trio
 
+from lever_actors.planner import bucket_for
+from lever_actors.prune import directly_pruned
 from protocols import ExitHidden, LayerReleased, VerifyDone, VerifyPlan
 
 
@@ -307,8 +309,6 @@ class NpuVerifier:
             self.hidden.drop(handle)
         if (mask.session_id, mask.step, mask.layer) != (plan.session_id, plan.step, stage):
             raise RuntimeError(f"prune mask for step {mask.step} layer {mask.layer}, expected {plan.step} {stage}")
-        from lever_actors.prune import directly_pruned
-
         keep = np.asarray(mask.keep, bool) & alive
         prune["pruned"].extend(int(v) for v in directly_pruned(np.asarray(plan.parents), alive, keep))
         prune["alive"] = keep
@@ -317,8 +317,6 @@ class NpuVerifier:
         sel = np.flatnonzero(keep[ids])  # rows (within the current ones) that go on; ghost rows are dropped
         feeds = {k: (v[:, sel] if k == "kv_index" else v[sel]) for k, v in feeds_list[0].items()}
         x, feeds_list, slots_list = np.ascontiguousarray(x[sel]), [feeds], [slots_list[0][sel]]
-        from lever_actors.planner import bucket_for
-
         # back to a static shape (the survivors' bucket); ghost slots follow all of the plan's nodes
         x, feeds_list, slots_list = self._pad(x, feeds_list, slots_list, len(plan.tokens),
                                               bucket_for(len(sel), self.buckets) - len(sel))
