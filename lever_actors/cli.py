@@ -237,7 +237,7 @@ def cmd_bench(args) -> int:
 
 def cmd_serve(args) -> int:
     from lever_actors.daemon import serve_main
-    from lever_actors.engine import make_backend
+    from lever_actors.service import make_backend
 
     return serve_main(args, make_backend)
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from lever_actors.decode import Result  # noqa: F401 - re-exported for callers
@@ -165,12 +164,6 @@ def sampling_from_args(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
 
 
-def load_tokenizer(bundle_dir: Path):
-    from lever_actors.tokenizer import TextTokenizer
-
-    return TextTokenizer.from_file(Path(bundle_dir) / "tokenizer.json")
-
-
 def generate_once(cfg: EngineConfig, prompt: str, args, on_text: Callable[[str], None]) -> Result:
     """Load what the mode needs, generate once, stream text through ``on_text``."""
     from lever_actors.models import resolve_bundle
@@ -179,6 +172,8 @@ def generate_once(cfg: EngineConfig, prompt: str, args, on_text: Callable[[str],
     t0 = time.perf_counter()
     role = cfg.model if cfg.mode == "resident-ar" else "target"
     tbundle = resolve_bundle(cfg.target if role == "target" else cfg.draft, role)
+    from lever_actors.tokenizer import load_tokenizer
+
     tok = load_tokenizer(tbundle)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if getattr(args, "chat", False) else prompt
     ids = tok.encode(text)
@@ -212,9 +207,3 @@ def generate_once(cfg: EngineConfig, prompt: str, args, on_text: Callable[[str],
 
     dbundle = resolve_bundle(cfg.draft, "draft") if cfg.drafted else None
     return run_generation(cfg, tbundle, dbundle, tok, ids, args.max_tokens, params, on_token, on_text, dec, t0)
-
-
-def make_backend(args):
-    from lever_actors.service import EngineBackend
-
-    return EngineBackend(EngineConfig.from_args(args))

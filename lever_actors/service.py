@@ -18,7 +18,7 @@ class EngineBackend:
     """
 
     def __init__(self, cfg) -> None:
-        from lever_actors.engine import load_tokenizer
+        from lever_actors.tokenizer import load_tokenizer
         from lever_actors.models import resolve_bundle
 
         self.cfg = cfg
@@ -101,3 +101,10 @@ class EngineBackend:
                 await emit(tail, [])
         stats = dict(stats, elapsed_s=time.perf_counter() - t0, prompt_tokens=len(ids))
         return GenerateOutcome("".join(text_parts), list(emitted), finish, stats)
+
+
+def make_backend(args) -> EngineBackend:
+    """The daemon's backend for ``serve``'s command-line arguments."""
+    from lever_actors.engine import EngineConfig
+
+    return EngineBackend(EngineConfig.from_args(args))

@@ -444,3 +444,8 @@ def check_vocab_compatible(target_spec: dict[str, Any], draft_spec: dict[str, An
         fail(f"merge rank {i}", t["merges"][i], d["merges"][i])
     if n_t != n_d:
         log.info("vocab sizes differ only by unused placeholders target=%d draft=%d", n_t, n_d)
+
+
+def load_tokenizer(bundle_dir) -> TextTokenizer:
+    """The tokenizer a converted bundle carries (``tokenizer.json`` beside its manifest)."""
+    return TextTokenizer.from_file(Path(bundle_dir) / "tokenizer.json")

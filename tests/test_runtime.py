@@ -219,18 +219,6 @@ def test_lever_planned_trees_are_lossless(tiny_bundles, unrelated_draft, ar_toke
     assert pipe.lever.costs.ready and pipe.lever.calibration.seen.sum() > 0
 
 
-def test_main_path_follows_the_most_probable_child():
-    from lever_actors.runtime import _main_path
-
-    # root(0) -> 1 (p .6), 2 (p .3); 1 -> 3 (p .2), 4 (p .7); 4 -> 5; 2 -> 6
-    drafted = [10, 20, 30, 40, 50, 60]
-    parents = [-1, 0, 0, 1, 1, 4, 2]
-    probs = [0.6, 0.3, 0.2, 0.7, 0.9, 0.99]
-    assert _main_path(drafted, parents, probs) == [10, 40, 50]
-    assert _main_path([], [-1], []) == []
-    assert _main_path([7, 8, 9], [-1, 0, 1, 2], [0.1, 0.2, 0.3]) == [7, 8, 9]  # a chain is its own main path
-
-
 @pytest.mark.parametrize("mode,size", [("flash-chain", 3), ("lever", 12)])
 @pytest.mark.parametrize("draft_kind", ["perturbed", "unrelated"])
 def test_draft_cache_holds_exactly_the_committed_sequence(tiny_bundles, unrelated_draft, draft_kind, mode, size):

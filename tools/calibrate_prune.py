@@ -153,7 +153,8 @@ def fit_and_report(args, a: int, b: int, exits: tuple[int, ...], saved: dict | N
 
     from lever_actors.bench import humaneval_prompts
     from lever_actors.bundle import load_bundle
-    from lever_actors.engine import EngineConfig, load_tokenizer, parse_size
+    from lever_actors.engine import EngineConfig, parse_size
+    from lever_actors.tokenizer import load_tokenizer
     from lever_actors.models import resolve_bundle
     from lever_actors.runtime import open_pipeline
     from lever_actors.sampling import SamplingParams

@@ -51,7 +51,7 @@ def ensure_llama(venv_dir: Path) -> Path:
 def ours(bundle: Path, prompts: list[list[int]], tokens: int, threads: int) -> list[list[int]]:
     from lever_actors.bundle import load_bundle
     from lever_actors.decode import decode_resident
-    from lever_actors.engine import load_tokenizer
+    from lever_actors.tokenizer import load_tokenizer
     from lever_actors.model import Transformer
     from lever_actors.ortrt import LaneConfig
     from lever_actors.sampling import SamplingParams
@@ -79,7 +79,7 @@ def agreement(a: list[list[int]], b: list[list[int]], tokens: int) -> dict:
 
 def main() -> None:
     from lever_actors.bench import humaneval_prompts
-    from lever_actors.engine import load_tokenizer
+    from lever_actors.tokenizer import load_tokenizer
     from lever_actors.models import DEFAULT_PAIR, fetch, gguf_path, lever_home
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

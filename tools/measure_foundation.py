@@ -19,7 +19,7 @@ import numpy as np
 
 from lever_actors.bundle import load_bundle
 from lever_actors.decode import decode_resident
-from lever_actors.engine import load_tokenizer
+from lever_actors.tokenizer import load_tokenizer
 from lever_actors.model import Transformer, causal_layout
 from lever_actors.models import fetch
 from lever_actors.ortrt import LaneConfig

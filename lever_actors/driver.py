@@ -1,0 +1,389 @@
+"""The per-generation driver: prefill, then one verification pass per step until the output is complete.
+
+One step, as the algorithm reads::
+
+    tree   = drafted ahead (cross-step hit) or drafted now     # CPU lane
+    tree   = the planner's subtree of it (lever)               # gain/cost
+    verify(tree)                                               # NPU lane, streamed layers
+    draft the next tree under the likely outcome, meanwhile    # CPU lane, hidden
+    commit = the accepted path + the target's bonus token
+    settle the assumption: keep the tree drafted ahead, or drop it
+
+Cross-step bookkeeping lives in :class:`lever_actors.speculation.CrossStep`; the
+statistics in :class:`RunStats`; this module only sequences messages.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from lever_actors.decode import check_context
+from lever_actors.planner import LeverPolicy, bucket_for
+from lever_actors.sampling import SamplingParams
+from lever_actors.speculation import CrossStep, main_path
+from protocols import Abort, DraftRequest, VerifyPlan
+
+TREE_TOP_K = 3  # children scored per node by the tree modes
+TREE_WIDTH = 4  # nodes per tree level: with this pair's sharp draft, budget is best spent on depth
+TREE_MAX_DEPTH = 16
+
+
+@dataclass
+class RunStats:
+    passes: int = 0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    committed: int = 0
+    flash_bytes: int = 0
+    io_wait_s: float = 0.0
+    compute_s: float = 0.0
+    draft_s: float = 0.0  # drafting done serially, after the commit it needed
+    draft_hidden_s: float = 0.0  # drafting done beside verification (cross-step, assumption held)
+    draft_wait_s: float = 0.0  # wall time the pass sequence stood still waiting for the drafter
+    draft_tokens: int = 0  # draft model rows computed (every drafted node, hidden or not)
+    draft_busy_s: float = 0.0  # drafter time spent computing them
+    spec_hits: int = 0
+    spec_misses: int = 0
+    pass_s: float = 0.0
+    accept_hist: dict = field(default_factory=dict)
+    tree_sizes: list = field(default_factory=list)
+    pruned: int = 0  # the pruner's decisions
+    pruned_wrong: int = 0  # ... that dropped a node the target would have accepted
+    dropped: int = 0  # nodes not computed to the end (pruned ones and their subtrees)
+
+    def as_dict(self, io_busy_s: float = 0.0) -> dict:
+        p = max(self.passes, 1)
+        return {
+            "passes": self.passes, "draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted,
+            "mean_accepted": self.committed / p, "n_tokens": self.committed,
+            "flash_bytes_read": self.flash_bytes, "flash_bytes_per_token": self.flash_bytes / max(self.committed, 1),
+            "io_s": io_busy_s, "io_wait_s": self.io_wait_s, "compute_s": self.compute_s, "draft_s": self.draft_s,
+            "draft_hidden_s": self.draft_hidden_s, "spec_hits": self.spec_hits, "spec_misses": self.spec_misses,
+            "spec_hit_rate": self.spec_hits / (self.spec_hits + self.spec_misses)
+            if self.spec_hits + self.spec_misses else None,
+            "draft_wait_s": self.draft_wait_s, "draft_tokens": self.draft_tokens, "draft_busy_s": self.draft_busy_s,
+            "draft_wait_share": self.draft_wait_s / self.pass_s if self.pass_s > 0 else 0.0,
+            "draft_ms_per_token": 1e3 * self.draft_busy_s / self.draft_tokens if self.draft_tokens else None,
+            "pass_s": self.pass_s, "io_s_per_pass": io_busy_s / p, "compute_s_per_pass": self.compute_s / p,
+            "draft_wait_s_per_pass": self.draft_wait_s / p,
+            "stall_s_per_pass": self.io_wait_s / p,  # verification lane waiting for its next layer
+            "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
+            "mean_tree_nodes": float(np.mean(self.tree_sizes)) if self.tree_sizes else None,
+            "pruned_nodes": self.pruned, "dropped_nodes": self.dropped, "pruned_wrong": self.pruned_wrong,
+            "prune_precision": 1 - self.pruned_wrong / self.pruned if self.pruned else None,
+            "prune_recall": (self.draft_n_accepted / (self.draft_n_accepted + self.pruned_wrong)
+                             if self.draft_n_accepted + self.pruned_wrong else None),
+        }
+
+
+@dataclass
+class Tree:
+    """One pass's candidate tree: node 0 is the root (not drafted), node i is ``drafted[i - 1]``."""
+
+    drafted: list[int]
+    parents: list[int]  # root -1
+    probs: np.ndarray  # draft probability of node i at [i - 1]
+    dists: np.ndarray | None = None  # sampling: row 0 the root, row i node i
+    alts: np.ndarray | None = None  # greedy: the draft's rivals per row, for the pruner
+    draft_s: float = 0.0  # drafter time it took
+    ahead: bool = False  # drafted beside the previous pass
+
+    @classmethod
+    def from_expansion(cls, exp, ahead: bool) -> "Tree":
+        return cls([int(t) for t in exp.tokens], [-1] + [int(p) + 1 for p in exp.parents], exp.draft_probs,
+                   exp.dists, exp.alternatives, exp.draft_s, ahead)
+
+    def subtree(self, keep: list[int]) -> "Tree":
+        """Restricted to the ancestor-closed node list ``keep`` (node 0 first)."""
+        new_id = {old: new for new, old in enumerate(keep)}
+        rows = np.asarray(keep)
+        return Tree([self.drafted[i - 1] for i in keep[1:]], [-1] + [new_id[self.parents[i]] for i in keep[1:]],
+                    np.asarray([self.probs[i - 1] for i in keep[1:]], np.float32),
+                    None if self.dists is None else self.dists[rows], None if self.alts is None else self.alts[rows],
+                    self.draft_s, self.ahead)
+
+    def depths(self) -> np.ndarray:
+        d = np.zeros(len(self.parents), np.int32)
+        for i in range(1, len(self.parents)):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+
+EMPTY_TREE = Tree([], [-1], np.zeros(0, np.float32))
+
+
+@dataclass
+class Generation:
+    """The state of one generation that the driver's steps share."""
+
+    sid: int
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    gamma: int
+    top_k: int
+    max_depth: int
+    draft_cap: int
+    stats: RunStats = field(default_factory=RunStats)
+    spec: CrossStep = field(default_factory=CrossStep)
+    out: list[int] = field(default_factory=list)
+    step: int = 0
+    root: int = 0
+    prev_accepted: tuple[int, ...] = ()
+
+    @property
+    def sampling(self) -> dict:
+        p = self.params
+        return {"temperature": p.temperature, "top_p": p.top_p, "seed": p.seed}
+
+    @property
+    def position(self) -> int:
+        """Sequence position of the root (the last committed token)."""
+        return len(self.prompt) + len(self.out) - 1
+
+
+def tree_shape(mode: str, gamma: int) -> tuple[int, int]:
+    """(children scored per node, depth cap) of the drafter's trees for a mode."""
+    if mode == "flash-chain":
+        return 1, gamma
+    # lever: deep and narrow (this pair's draft is sharp, so depth pays), width 2 to rescue a miss at
+    # any depth; flash-tree: the fixed TREE_WIDTH-wide shape
+    width = 2 if mode == "lever" else TREE_WIDTH
+    return TREE_TOP_K, max(1, min(-(-gamma // width), TREE_MAX_DEPTH))
+
+
+class Pipeline:
+    """The running actors plus the channel ends the driver uses (wired by ``runtime.open_pipeline``)."""
+
+    def __init__(self, cfg, plan, target, drafter, tok_eos: set[int], tracer, prefetcher, verifier) -> None:
+        self.cfg, self.plan, self.target, self.drafter = cfg, plan, target, drafter
+        self.eos = tok_eos
+        self.tracer, self.prefetcher, self.verifier = tracer, prefetcher, verifier
+        self.session_id = 0
+        self.stale = 0
+        self.lever = LeverPolicy()  # calibration and costs persist across generations
+        self.lever.costs.buckets = cfg.buckets
+        self.prune_exits: tuple[int, ...] = ()  # exit layers of lever passes (set when a pruner runs)
+        self.prune_threshold: float | None = None
+        self.prune_note = "off"
+        self.verdicts: list | None = None  # calibration: (session, step, parents, accepted nodes) per pass
+
+    def describe(self) -> dict:
+        return {"mode": self.cfg.mode_string(), "pinned_layers": list(self.plan.pinned),
+                "streamed_layers": list(self.plan.streamed), "head_streamed": self.plan.head_streamed,
+                "stream_slots": self.plan.n_slots, "budget": self.plan.describe(),
+                "direct_io": self.prefetcher.direct, "prune": self.prune_note}
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, emit) -> tuple[list[int], str, dict]:
+        """Generate up to ``max_tokens`` after ``prompt_ids``; ``await emit(token_ids)`` per commit
+        (a truthy return value stops the generation).
+
+        Returns (token ids, finish reason, stats). Greedy output equals
+        resident-ar output token for token, whatever the draft does.
+        """
+        sid = self.session_id + 1
+        finished = False
+        try:
+            out = await self._generate(prompt_ids, max_tokens, params, emit)
+            finished = True
+            return out
+        finally:
+            if not finished:  # cancelled or failed: stop the verifier at its next layer
+                try:
+                    self.abort_send.send_nowait(Abort(session_id=sid, step=0, epoch=0))
+                except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                    pass
+
+    # -- the algorithm ------------------------------------------------------------------------------
+
+    async def _generate(self, prompt_ids, max_tokens, params, emit):
+        g = self._begin(prompt_ids, max_tokens, params)
+        io_before, t_io0, t_start = self.prefetcher.bytes_read, self.tracer.busy("flash"), self.tracer.now_s()
+        commit = await self._prefill(g)
+        t_decode = time.perf_counter()
+        finish = "length"
+        while True:
+            finish = await self._emit(g, commit, emit)
+            if finish == "stop" or len(g.out) >= max_tokens:
+                break
+            g.step += 1
+            t_pass = time.perf_counter()
+            tree = self._plan(g, await self._next_tree(g))
+            await self.plan_send.send(self._verify_plan(g, tree))
+            await self._draft_ahead(g, tree)
+            commit, ps = await self._receive(self.commit_recv, g.sid), await self._receive(self.stats_recv, g.sid)
+            self._observe(g, tree, commit, ps, time.perf_counter() - t_pass)
+            await self._settle(g, commit)
+            g.stats.pass_s += time.perf_counter() - t_pass
+        return self._finish(g, finish, io_before, t_io0, t_start, t_decode)
+
+    def _begin(self, prompt_ids, max_tokens, params) -> Generation:
+        cfg = self.cfg
+        gamma = cfg.gamma if cfg.drafted else 0
+        top_k, max_depth = tree_shape(cfg.mode, gamma)
+        check_context(len(prompt_ids), max_tokens, self.target.context, slack=bucket_for(gamma + 1, cfg.buckets))
+        self.session_id += 1
+        g = Generation(self.session_id, list(prompt_ids), max_tokens, params, gamma, top_k, max_depth, gamma)
+        g.spec.unseen = list(prompt_ids)
+        return g
+
+    async def _prefill(self, g: Generation):
+        """The prompt through the target in one pass; the draft digests it meanwhile and, with
+        cross-step drafting, already drafts the first tree after its own guess of the first token."""
+        ahead = self.drafter is not None and g.gamma > 0 and self.cfg.overlap
+        if self.drafter is not None:
+            await self.draft_send.send(DraftRequest(
+                session_id=g.sid, step=0, epoch=0, root_token=g.prompt[-1], position=len(g.prompt) - 1,
+                max_nodes=g.draft_cap if ahead else 0, max_depth=g.max_depth if ahead else 0,
+                top_k=g.top_k if ahead else 1, reset=True, speculative=ahead, **g.spec.settle_fields(),
+                **g.sampling))
+            if ahead:
+                g.spec.assume([])
+        n = len(g.prompt)
+        await self.plan_send.send(VerifyPlan(
+            session_id=g.sid, step=0, epoch=0, position=0, tokens=np.asarray(g.prompt, np.int32),
+            parents=np.arange(-1, n - 1, dtype=np.int32), depths=np.arange(n, dtype=np.int32), bucket=n,
+            prefill=True, want_logits=not g.params.greedy, **g.sampling))
+        first = await self._receive(self.draft_recv, g.sid) if self.drafter is not None else None
+        commit = await self._receive(self.commit_recv, g.sid)
+        await self._receive(self.stats_recv, g.sid)
+        self._settle_assumption(g, commit, first)
+        return commit
+
+    async def _emit(self, g: Generation, commit, emit) -> str:
+        """Hand the committed tokens to the caller; 'stop' at an end token or when the caller says so."""
+        take = commit.tokens[: g.max_tokens - len(g.out)]
+        stop_at = next((i for i, t in enumerate(take) if t in self.eos), None)
+        finish = "length"
+        if stop_at is not None:
+            take, finish = take[: stop_at + 1], "stop"
+        g.out.extend(take)
+        if take and await emit(list(take)):
+            finish = "stop"  # the caller saw a stop string
+        return finish
+
+    async def _next_tree(self, g: Generation) -> Tree:
+        """This pass's drafted tree: the one drafted ahead if its assumption held, else drafted now."""
+        if not g.gamma:
+            return EMPTY_TREE
+        ready = g.spec.take_ready()
+        if ready is not None:  # drafted while the last pass verified: nothing to wait for
+            g.stats.draft_hidden_s += ready.draft_s
+            return Tree.from_expansion(ready, ahead=True)
+        await self.draft_send.send(DraftRequest(
+            session_id=g.sid, step=g.step, epoch=0, root_token=g.root, position=g.position,
+            max_nodes=g.draft_cap, max_depth=g.max_depth, top_k=g.top_k, **g.spec.settle_fields(), **g.sampling))
+        exp = await self._receive_draft(g)
+        g.stats.draft_s += exp.draft_s
+        return Tree.from_expansion(exp, ahead=False)
+
+    def _planning(self, g: Generation) -> bool:
+        # sampled trees are verified whole: choosing siblings by the tokens drawn would bias
+        # speculative sampling
+        return self.cfg.mode == "lever" and g.params.greedy and not self.cfg.fixed_tree
+
+    def _plan(self, g: Generation, tree: Tree) -> Tree:
+        """lever: the subtree with the most expected tokens per second of pass time."""
+        if not self._planning(g) or not tree.drafted:
+            return tree
+        keep = self.lever.select(np.asarray(tree.parents), np.concatenate([[1.0], tree.probs]), g.gamma)
+        g.stats.tree_sizes.append(len(keep) - 1)  # drafted nodes verified (the root is not drafted)
+        return tree.subtree(keep)
+
+    def _verify_plan(self, g: Generation, tree: Tree) -> VerifyPlan:
+        tokens = np.asarray([g.root] + tree.drafted, np.int32)
+        pruning = bool(self.prune_exits) and self.cfg.mode == "lever" and g.params.greedy \
+            and tree.alts is not None and len(tree.drafted) > 0
+        return VerifyPlan(
+            session_id=g.sid, step=g.step, epoch=0, position=g.position, tokens=tokens,
+            parents=np.asarray(tree.parents, np.int32), depths=tree.depths(),
+            bucket=bucket_for(len(tokens), self.cfg.buckets), prev_accepted=g.prev_accepted,
+            want_logits=not g.params.greedy, draft_dists=tree.dists,
+            exit_layers=self.prune_exits if pruning else (), alternatives=tree.alts if pruning else None,
+            prune_threshold=self.prune_threshold if pruning else None, **g.sampling)
+
+    async def _draft_ahead(self, g: Generation, tree: Tree) -> None:
+        """Cross-step drafting: while the target verifies, draft the tree that follows the most likely
+        outcome (the main path accepted, then the draft's own next token)."""
+        if not (g.gamma and self.cfg.overlap and tree.drafted):
+            return
+        assume = main_path(tree.drafted, tree.parents, tree.probs)
+        if self.eos.intersection(assume) or len(g.out) + len(assume) + 1 >= g.max_tokens:
+            return  # the output ends inside this tree: nothing to draft for
+        await self.draft_send.send(DraftRequest(
+            session_id=g.sid, step=g.step + 1, epoch=0, root_token=g.root, position=g.position,
+            max_nodes=g.draft_cap, max_depth=g.max_depth, top_k=g.top_k, speculative=True, assume=tuple(assume),
+            **g.spec.settle_fields(), **g.sampling))
+        g.spec.assume(assume)
+
+    def _observe(self, g: Generation, tree: Tree, commit, ps, pass_s: float) -> None:
+        st, n = g.stats, len(commit.tokens)
+        st.compute_s += ps.compute_s
+        st.io_wait_s += ps.io_s
+        st.passes += 1
+        st.draft_n += len(tree.drafted)
+        st.draft_n_accepted += n - 1
+        st.committed += n
+        st.accept_hist[n] = st.accept_hist.get(n, 0) + 1
+        st.pruned += ps.n_pruned
+        st.pruned_wrong += ps.n_pruned_wrong
+        st.dropped += ps.n_dropped
+        parents = np.asarray(tree.parents, np.int32)
+        if self.verdicts is not None:
+            self.verdicts.append((g.sid, g.step, tuple(int(p) for p in parents), tuple(commit.accepted_nodes)))
+        if self._planning(g):
+            self.lever.observe(parents, tree.depths(), np.concatenate([[1.0], tree.probs]), commit.accepted_nodes,
+                               pass_s=pass_s, compute_s=ps.compute_s, draft_s=0.0 if tree.ahead else tree.draft_s)
+            g.draft_cap = self.lever.next_draft_size(g.gamma)
+        g.prev_accepted = commit.accepted_nodes
+
+    async def _settle(self, g: Generation, commit) -> None:
+        """Collect the tree drafted ahead (if one is in flight) and see whether its assumption held."""
+        exp = await self._receive_draft(g) if g.spec.assumed is not None else None
+        self._settle_assumption(g, commit, exp)
+
+    def _settle_assumption(self, g: Generation, commit, exp) -> None:
+        g.root = int(commit.tokens[-1])
+        g.spec.settle(list(commit.tokens), exp)
+        g.stats.spec_hits, g.stats.spec_misses = g.spec.hits, g.spec.misses
+
+    def _finish(self, g: Generation, finish: str, io_before: int, t_io0: float, t_start: float,
+                t_decode: float) -> tuple[list[int], str, dict]:
+        g.stats.flash_bytes = self.prefetcher.bytes_read - io_before
+        d = g.stats.as_dict(self.tracer.busy("flash") - t_io0)
+        # share of flash-read time hidden behind builds, layer compute or drafting
+        d["overlap"] = self.tracer.overlap("flash", ("build", "npu", "cpu"), t_start)
+        d.update(self.verifier_stats())
+        d["decode_s"] = time.perf_counter() - t_decode
+        # per *returned* token: a final pass may commit more than max_tokens allows
+        d["n_tokens"] = len(g.out)
+        d["flash_bytes_per_token"] = g.stats.flash_bytes / max(len(g.out), 1)
+        return g.out, finish, d
+
+    # -- channels -----------------------------------------------------------------------------------
+
+    async def _receive_draft(self, g: Generation):
+        """The drafter's next expansion; the time waited for it is time the passes stood still."""
+        t = time.perf_counter()
+        exp = await self._receive(self.draft_recv, g.sid)
+        g.stats.draft_wait_s += time.perf_counter() - t
+        if exp.step > 0:  # (step 0 also digests the prompt)
+            g.stats.draft_tokens += len(exp.tokens)
+            g.stats.draft_busy_s += exp.draft_s
+        return exp
+
+    async def _receive(self, chan, sid: int):
+        """Next message of session ``sid``; answers to an abandoned (cancelled) session are dropped."""
+        while True:
+            msg = await chan.receive()
+            if msg.session_id == sid:
+                return msg
+            self.stale += 1
+
+    def verifier_stats(self) -> dict:
+        return {"direct_io": self.prefetcher.direct, "padded_rows": self.verifier.padded_rows,
+                "pinned_layers": len(self.plan.pinned),
+                "streamed_layers": len(self.plan.streamed), "head_streamed": self.plan.head_streamed}
