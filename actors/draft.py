@@ -31,8 +31,12 @@ class Drafter:
     by the next request's sync (or its reset).
     """
 
-    def __init__(self, model, requests_recv, out_send, lanes, tracer) -> None:
+    def __init__(self, model, requests_recv, out_send, lanes, tracer, head=None) -> None:
+        from lever_actors.draft_vocab import FullHead
+
         self.m = model
+        # the draft's LM head: the whole vocabulary, or a calibrated subset (ids maps its columns to tokens)
+        self.head = head if head is not None else FullHead(model)
         self.requests_recv, self.out_send = requests_recv, out_send
         self.lanes, self.tracer = lanes, tracer
         # the last draft tree: node i sits in KV slot (prefix length + i) once fed
@@ -64,7 +68,7 @@ class Drafter:
         base = self.m.kv.length
         if path:
             hidden = self._sync(path)
-        root = int(np.argmax(self.m.logits(hidden)[0]))
+        root = self._token(int(np.argmax(self.head.logits(hidden)[0])))
         self.pending = (base, path + [root])
         return root, self._feed([root])
 
@@ -107,7 +111,8 @@ class Drafter:
     def draft(self, req: DraftRequest) -> DraftExpansion:
         """Grow a token tree below the root, one batched draft call per level.
 
-        Every level scores the children (top ``top_k`` when greedy, sampled without
+        Growth also stops once the best path of the last level is below
+        ``min_path_p`` (adaptive depth, set by the planner). Every level scores the children (top ``top_k`` when greedy, sampled without
         replacement when sampling) of the frontier and keeps the most probable
         paths, at most ``ceil(max_nodes / max_depth)`` per level and ``max_nodes``
         in all; the kept nodes of the level are fed to the
@@ -119,6 +124,7 @@ class Drafter:
         t0 = time.perf_counter()
         if req.reset:
             self.reset()
+            self.head.set_prompt(req.committed)
         root, position = req.root_token, req.position
         committed = list(req.committed)
         if self.pending is not None:
@@ -141,22 +147,23 @@ class Drafter:
             if hidden is None:
                 raise RuntimeError("draft request commits nothing new: the root must be newly committed")
             frontier, rows = [-1], hidden  # nodes whose children we can score now, and their hidden rows
+            ids = self.head.ids  # column -> token (None: the columns are the tokens)
             for depth in range(req.max_depth):
-                logits = self.m.logits(rows)
+                logits = self.head.logits(rows)
                 cands = []
                 for r, node in enumerate(frontier):
-                    p = self._distribution(logits[r], params)
+                    p = self._distribution(logits[r], params)  # over the head's columns
                     if params.greedy:  # one top-k selection serves the children and the pruner's rivals
-                        alts[node] = self._children(p, min(max(ALTERNATIVES, req.top_k), len(p)), params,
-                                                    req.step, node)
-                        children = alts[node][:req.top_k]
-                        alts[node] = alts[node][:ALTERNATIVES]
+                        top = self._children(p, min(max(ALTERNATIVES, req.top_k), len(p)), params, req.step, node)
+                        children = top[:req.top_k]
+                        alts[node] = self._tokens(top[:ALTERNATIVES])
                     else:
-                        dists[node] = p.astype(np.float32)
+                        dists[node] = self._full_distribution(p)
                         children = self._children(p, req.top_k, params, req.step, node)
                     base_p = path_p[node] if node >= 0 else 1.0
-                    for tok in children:
-                        cands.append((base_p * float(p[tok]), node, tok, float(p[tok])))
+                    for col in children:
+                        tok = int(col) if ids is None else int(ids[col])
+                        cands.append((base_p * float(p[col]), node, tok, float(p[col])))
                 cands.sort(key=lambda c: -c[0])
                 # a level holds at most max_nodes/max_depth nodes, so the budget buys depth
                 room = min(req.max_nodes - len(tokens), -(-req.max_nodes // req.max_depth))
@@ -169,6 +176,8 @@ class Drafter:
                     level.append(len(tokens) - 1)
                 if not level or len(tokens) >= req.max_nodes or depth + 1 == req.max_depth:
                     break
+                if max(path_p[n] for n in level) < req.min_path_p:
+                    break  # adaptive depth: the next level would not pay for its drafting time
                 rows = self._feed_level(level, parents, tokens)
                 frontier = level
         self.tracer.add(f"draft {len(tokens)}", "cpu", t0, time.perf_counter())
@@ -193,6 +202,20 @@ class Drafter:
             draft_probs=np.asarray(probs, np.float32), draft_s=time.perf_counter() - t0, dists=dist_rows,
             alternatives=alt_rows,
         )
+
+    def _token(self, col: int) -> int:
+        return col if self.head.ids is None else int(self.head.ids[col])
+
+    def _tokens(self, cols: list[int]) -> list[int]:
+        return cols if self.head.ids is None else [int(self.head.ids[c]) for c in cols]
+
+    def _full_distribution(self, p: np.ndarray) -> np.ndarray:
+        """The distribution the children were drawn from, over the whole vocabulary (zero off the subset)."""
+        if self.head.ids is None:
+            return p.astype(np.float32)
+        full = np.zeros(self.m.vocab, np.float32)
+        full[self.head.ids] = p
+        return full
 
     @staticmethod
     def _distribution(logits: np.ndarray, params) -> np.ndarray:

@@ -43,7 +43,9 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g = p.add_argument_group("runtime")
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
-                        "optionally +no-overlap / +fixed-tree / +no-prune (default resident-ar; with --socket, the daemon's mode)")
+                        "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth (default "
+                        "resident-ar; with --socket, "
+                        "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",
                    help="DRAM budget such as 1GiB or 800MB, or 'unlimited'; what does not fit streams from flash "
                         "(default: 1GiB for the flash modes, unlimited for resident-ar)")
@@ -56,6 +58,12 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
                    help="ablation: lever verifies the whole drafted tree instead of the gain/cost plan")
     g.add_argument("--no-prune", action="store_true",
                    help="ablation: lever computes every tree node through every layer (no early-exit pruning)")
+    g.add_argument("--no-vocab-trim", action="store_true",
+                   help="ablation: the draft scores the whole vocabulary instead of its calibrated subset plus the "
+                        "prompt's tokens (see tools/calibrate_draft_vocab.py)")
+    g.add_argument("--no-adaptive-depth", action="store_true",
+                   help="ablation: lever drafts to its depth cap every pass instead of stopping where another "
+                        "level no longer pays for its drafting time")
     _add_lever_args(g)
 
 

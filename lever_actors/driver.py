@@ -133,6 +133,7 @@ class Generation:
     step: int = 0
     root: int = 0
     prev_accepted: tuple[int, ...] = ()
+    pass_wait_s: float = 0.0  # this pass's wait for the drafter
 
     @property
     def sampling(self) -> dict:
@@ -169,13 +170,14 @@ class Pipeline:
         self.prune_exits: tuple[int, ...] = ()  # exit layers of lever passes (set when a pruner runs)
         self.prune_threshold: float | None = None
         self.prune_note = "off"
+        self.vocab_note = "no draft"
         self.verdicts: list | None = None  # calibration: (session, step, parents, accepted nodes) per pass
 
     def describe(self) -> dict:
         return {"mode": self.cfg.mode_string(), "pinned_layers": list(self.plan.pinned),
                 "streamed_layers": list(self.plan.streamed), "head_streamed": self.plan.head_streamed,
                 "stream_slots": self.plan.n_slots, "budget": self.plan.describe(),
-                "direct_io": self.prefetcher.direct, "prune": self.prune_note}
+                "direct_io": self.prefetcher.direct, "prune": self.prune_note, "draft_vocab": self.vocab_note}
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, emit) -> tuple[list[int], str, dict]:
         """Generate up to ``max_tokens`` after ``prompt_ids``; ``await emit(token_ids)`` per commit
@@ -210,7 +212,7 @@ class Pipeline:
             if finish == "stop" or len(g.out) >= max_tokens:
                 break
             g.step += 1
-            t_pass = time.perf_counter()
+            t_pass, g.pass_wait_s = time.perf_counter(), 0.0
             tree = self._plan(g, await self._next_tree(g))
             await self.plan_send.send(self._verify_plan(g, tree))
             await self._draft_ahead(g, tree)
@@ -274,11 +276,22 @@ class Pipeline:
             g.stats.draft_hidden_s += ready.draft_s
             return Tree.from_expansion(ready, ahead=True)
         await self.draft_send.send(DraftRequest(
-            session_id=g.sid, step=g.step, epoch=0, root_token=g.root, position=g.position,
-            max_nodes=g.draft_cap, max_depth=g.max_depth, top_k=g.top_k, **g.spec.settle_fields(), **g.sampling))
+            session_id=g.sid, step=g.step, epoch=0, root_token=g.root, position=g.position, top_k=g.top_k,
+            **self._draft_limits(g, hidden=False), **g.spec.settle_fields(), **g.sampling))
         exp = await self._receive_draft(g)
         g.stats.draft_s += exp.draft_s
-        return Tree.from_expansion(exp, ahead=False)
+        tree = Tree.from_expansion(exp, ahead=False)
+        self.lever.pace.observe_draft(exp.draft_s, int(tree.depths().max(initial=0)) + 1)  # + feeding the commit
+        return tree
+
+    def _draft_limits(self, g: Generation, hidden: bool) -> dict:
+        """max_nodes, max_depth and min_path_p of the next draft: fixed for the baselines; for lever the
+        gain/cost rule decides how deep drafting pays (hidden behind the pass or waited for)."""
+        if not (self._planning(g) and self.cfg.adaptive_depth):
+            return {"max_nodes": g.draft_cap, "max_depth": g.max_depth}
+        depth, min_p = self.lever.draft_limits(hidden, g.max_depth)
+        width = -(-g.draft_cap // g.max_depth)  # nodes per level of the configured shape
+        return {"max_nodes": min(g.draft_cap, width * depth), "max_depth": depth, "min_path_p": min_p}
 
     def _planning(self, g: Generation) -> bool:
         # sampled trees are verified whole: choosing siblings by the tokens drawn would bias
@@ -314,8 +327,8 @@ class Pipeline:
         if self.eos.intersection(assume) or len(g.out) + len(assume) + 1 >= g.max_tokens:
             return  # the output ends inside this tree: nothing to draft for
         await self.draft_send.send(DraftRequest(
-            session_id=g.sid, step=g.step + 1, epoch=0, root_token=g.root, position=g.position,
-            max_nodes=g.draft_cap, max_depth=g.max_depth, top_k=g.top_k, speculative=True, assume=tuple(assume),
+            session_id=g.sid, step=g.step + 1, epoch=0, root_token=g.root, position=g.position, top_k=g.top_k,
+            speculative=True, assume=tuple(assume), **self._draft_limits(g, hidden=True),
             **g.spec.settle_fields(), **g.sampling))
         g.spec.assume(assume)
 
@@ -335,6 +348,7 @@ class Pipeline:
         if self.verdicts is not None:
             self.verdicts.append((g.sid, g.step, tuple(int(p) for p in parents), tuple(commit.accepted_nodes)))
         if self._planning(g):
+            self.lever.pace.observe_pass(n, pass_s, g.pass_wait_s)
             self.lever.observe(parents, tree.depths(), np.concatenate([[1.0], tree.probs]), commit.accepted_nodes,
                                pass_s=pass_s, compute_s=ps.compute_s, draft_s=0.0 if tree.ahead else tree.draft_s)
             g.draft_cap = self.lever.next_draft_size(g.gamma)
@@ -343,6 +357,9 @@ class Pipeline:
     async def _settle(self, g: Generation, commit) -> None:
         """Collect the tree drafted ahead (if one is in flight) and see whether its assumption held."""
         exp = await self._receive_draft(g) if g.spec.assumed is not None else None
+        if exp is not None:  # it also fed the assumed path and its root
+            depth = int(Tree.from_expansion(exp, ahead=True).depths().max(initial=0))
+            self.lever.pace.observe_draft(exp.draft_s, depth + 2)
         self._settle_assumption(g, commit, exp)
 
     def _settle_assumption(self, g: Generation, commit, exp) -> None:
@@ -369,7 +386,9 @@ class Pipeline:
         """The drafter's next expansion; the time waited for it is time the passes stood still."""
         t = time.perf_counter()
         exp = await self._receive(self.draft_recv, g.sid)
-        g.stats.draft_wait_s += time.perf_counter() - t
+        waited = time.perf_counter() - t
+        g.stats.draft_wait_s += waited
+        g.pass_wait_s += waited
         if exp.step > 0:  # (step 0 also digests the prompt)
             g.stats.draft_tokens += len(exp.tokens)
             g.stats.draft_busy_s += exp.draft_s

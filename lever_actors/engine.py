@@ -44,8 +44,9 @@ def default_budget(mode: str, text: str | None) -> int | None:
     return parse_size(text)
 
 
-# ablations: no cross-step drafting; lever without its planner; lever without early-exit pruning
-MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune")
+# ablations: no cross-step drafting; lever without its planner; lever without early-exit pruning; the
+# draft's full LM head instead of its calibrated vocabulary subset; lever drafting to its depth cap every time
+MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -97,6 +98,8 @@ class EngineConfig:
     prune_threshold: float | None = None  # None: the calibrated threshold
     draft_threads: int = 1  # threads of the drafting lane's kernels
     buckets: tuple[int, ...] = ()  # static token shapes of verification passes (() = exact sizes, the CPU default)
+    vocab_trim: bool = True  # the draft's head scores its calibrated vocabulary subset (+ the prompt's tokens)
+    adaptive_depth: bool = True  # lever: the gain/cost rule also decides how deep to draft
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
@@ -109,7 +112,8 @@ class EngineConfig:
             budget = parse_size(text.split("@", 1)[1])
         return replace(self, mode=name, gamma=gamma, overlap=self.overlap and "no-overlap" not in flags,
                        fixed_tree=self.fixed_tree or "fixed-tree" in flags, prune=self.prune and "no-prune" not in flags,
-                       dram_budget=budget)
+                       vocab_trim=self.vocab_trim and "no-vocab-trim" not in flags,
+                       adaptive_depth=self.adaptive_depth and "no-adaptive-depth" not in flags, dram_budget=budget)
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
@@ -132,6 +136,8 @@ class EngineConfig:
             fixed_tree=getattr(args, "fixed_tree", False), prune=not getattr(args, "no_prune", False),
             prune_layer=getattr(args, "prune_layer", None), prune_threshold=getattr(args, "prune_threshold", None),
             buckets=_buckets(getattr(args, "buckets", None)), draft_threads=getattr(args, "draft_threads", 1),
+            vocab_trim=not getattr(args, "no_vocab_trim", False),
+            adaptive_depth=not getattr(args, "no_adaptive_depth", False),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
     def mode_string(self) -> str:
@@ -142,6 +148,10 @@ class EngineConfig:
             text += "+fixed-tree"
         if self.mode == "lever" and not self.prune:
             text += "+no-prune"
+        if self.drafted and not self.vocab_trim:
+            text += "+no-vocab-trim"
+        if self.mode == "lever" and not self.adaptive_depth:
+            text += "+no-adaptive-depth"
         return text
 
     @property

@@ -168,13 +168,68 @@ def plan_tree(parents: np.ndarray, path_p: np.ndarray, cost, max_nodes: int, max
 
 
 @dataclass
+class DraftPace:
+    """How deep to draft: the gain/cost rule applied to drafting itself (adaptive depth).
+
+    Learned online: ``level_s`` (one draft call, i.e. one tree level, on the drafting
+    lane), ``verify_s`` (a pass without the draft it waited for: the time a draft
+    hidden behind it has) and ``rate`` (committed tokens per second of pass time).
+
+    * A draft **hidden** behind the pass (cross-step) is free until it outlasts the
+      pass: its depth is capped at what fits, and a level is still drawn only while its
+      best path is worth verifying (``p >= rate * compute per node``).
+    * A draft the pass **waits for** puts every level on the critical path: the next
+      level pays only while its best path probability ``p`` buys more tokens than the
+      time costs at the current rate: ``p >= rate * (level_s + compute per node)``.
+      When acceptance falls, the rate and the path probabilities fall together and the
+      drafts get shorter; when the draft is sharp they get deeper.
+    """
+
+    alpha: float = 0.25
+    level_s: float | None = None
+    verify_s: float | None = None
+    rate: float | None = None
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def observe_draft(self, draft_s: float, calls: int) -> None:
+        if calls > 0 and draft_s > 0:
+            self.level_s = self._ema(self.level_s, draft_s / calls)
+
+    def observe_pass(self, committed: int, pass_s: float, waited_s: float) -> None:
+        if pass_s > 0:
+            self.verify_s = self._ema(self.verify_s, max(pass_s - waited_s, 0.0))
+            self.rate = self._ema(self.rate, committed / pass_s)
+
+    @property
+    def ready(self) -> bool:
+        return None not in (self.level_s, self.verify_s, self.rate)
+
+    def limits(self, hidden: bool, max_depth: int, node_s: float) -> tuple[int, float]:
+        """(depth cap, least path probability worth another level) of the next draft."""
+        if not self.ready:
+            return max_depth, 0.0
+        if hidden:  # the speculative request also feeds the assumed path and its root: two calls more
+            depth = int(self.verify_s / self.level_s) - 2
+            return max(1, min(max_depth, depth)), min(self.rate * node_s, 0.9)
+        return max_depth, min(self.rate * (self.level_s + node_s), 0.9)
+
+
+@dataclass
 class LeverPolicy:
     """The planner's state across passes: calibration, costs, and the next draft size."""
 
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     costs: CostModel = field(default_factory=CostModel)
+    pace: DraftPace = field(default_factory=DraftPace)
     max_depth: int = 16
     last_size: int = 0
+
+    def draft_limits(self, hidden: bool, max_depth: int) -> tuple[int, float]:
+        """(depth cap, least path probability) of the next draft request: see :class:`DraftPace`."""
+        node_s = self.costs.compute_per_node_s if self.costs.ready else 0.0
+        return self.pace.limits(hidden, max_depth, node_s)
 
     def select(self, parents: np.ndarray, draft_probs: np.ndarray, max_nodes: int) -> list[int]:
         """Nodes (root first) of the drafted tree to verify this pass."""

@@ -64,11 +64,31 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
                        in_place=target.layout == "native")
 
 
-def _draft_weight_bytes(bundle) -> int:
+def _draft_weight_bytes(bundle, head=None) -> int:
+    """The draft's weights in DRAM: its layers and its head (the subset head's rows when it has one)."""
     from lever_actors.budget import PREPACK_FACTOR
 
     factor = 1.0 if bundle.layout == "native" else PREPACK_FACTOR
-    return int((sum(bundle.layer_bytes()) + bundle.head_bytes()) * factor)
+    head_bytes = bundle.head_bytes() if head is None else head.nbytes
+    return int((sum(bundle.layer_bytes()) + head_bytes) * factor)
+
+
+def draft_head(cfg, bundle, lane):
+    """(SubsetHead or None, description): the draft's calibrated vocabulary subset, when it has one."""
+    from lever_actors.draft_vocab import SubsetHead, subset_for
+
+    if not cfg.vocab_trim:
+        return None, "full (+no-vocab-trim)"
+    if bundle.layout != "native":
+        return None, "full (an ORT-layout draft keeps its head sessions)"
+    found = subset_for(bundle)
+    if found is None:
+        return None, "full (no calibrated subset for this draft; see tools/calibrate_draft_vocab.py)"
+    ids, meta, path = found
+    cov = meta.get("coverage_generated")
+    note = f"{len(ids)} of {bundle.dims['vocab_size']} tokens + the prompt's" + (
+        f", {100 * cov:.2f}% of target-generated dev text" if cov is not None else "") + f" ({path.name})"
+    return SubsetHead(bundle, ids, lane), note
 
 
 def prune_setting(cfg, bundle, exits: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], float | None, str]:
@@ -133,15 +153,17 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         from lever_actors.prune import HeadRows
 
         head_rows = HeadRows(tb)
-    plan = build_budget(cfg, tb, db, _draft_weight_bytes(db) if db is not None else 0,
+    draft_lane = LaneConfig(threads=cfg.draft_threads, providers=cfg.lane.providers, precision=cfg.lane.precision)
+    subset_head, vocab_note = draft_head(cfg, db, draft_lane) if db is not None else (None, "no draft")
+    plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head) if db is not None else 0,
                         {"prune_head_rows": head_rows.cache_bytes} if head_rows is not None else None)
     lane = cfg.lane
     target = await trio.to_thread.run_sync(
         lambda: Transformer(tb, cfg.context, lane, resident_layers=list(plan.pinned), load_head=not plan.head_streamed))
     drafter_model = None
     if db is not None:
-        draft_lane = LaneConfig(threads=cfg.draft_threads, providers=lane.providers, precision=lane.precision)
-        drafter_model = await trio.to_thread.run_sync(lambda: Transformer(db, cfg.context, draft_lane))
+        drafter_model = await trio.to_thread.run_sync(
+            lambda: Transformer(db, cfg.context, draft_lane, load_head=subset_head is None))
     stages = [StreamStage(i, r.file, r.offset, r.nbytes) for i, r in enumerate(tb.layers) if i in plan.streamed]
     if plan.head_streamed:
         stages += [StreamStage(tb.n_layer + c, h.file, h.offset, h.nbytes) for c, h in enumerate(tb.head_chunks)]
@@ -176,6 +198,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         drafter = None
         pipe = Pipeline(cfg, plan, target, None, eos_ids, tracer, prefetcher, verifier)
         pipe.prune_exits, pipe.prune_threshold, pipe.prune_note = exits, threshold, prune_note
+        pipe.vocab_note = vocab_note
         async with trio.open_nursery() as nursery:
             if pruner is not None:
                 await nursery.start(pruner.run)
@@ -185,7 +208,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
             if drafter_model is not None:
                 dreq_send, dreq_recv = trio.open_memory_channel(caps["draft_requests"])
                 dout_send, dout_recv = trio.open_memory_channel(caps["drafts"])
-                drafter = Drafter(drafter_model, dreq_recv, dout_send, lanes, tracer)
+                drafter = Drafter(drafter_model, dreq_recv, dout_send, lanes, tracer, head=subset_head)
                 await nursery.start(drafter.run)
                 pipe.drafter, pipe.draft_send, pipe.draft_recv = drafter, dreq_send, dout_recv
             pipe.plan_send, pipe.commit_recv, pipe.stats_recv = plan_send, commit_recv, stats_recv

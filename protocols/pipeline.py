@@ -137,7 +137,7 @@ class LayerReleased(PipelineMessage):
 class DraftRequest(PipelineMessage):
     """-> Drafter: grow a candidate tree below ``root_token`` at sequence ``position``."""
     KIND: ClassVar[str] = "draft.request"
-    VERSION: ClassVar[int] = 3
+    VERSION: ClassVar[int] = 4
     root_token: int
     position: int        # sequence position of root_token
     max_nodes: int
@@ -160,6 +160,9 @@ class DraftRequest(PipelineMessage):
     speculative: bool = False
     assume: tuple[int, ...] = ()
     confirmed: bool = False
+    # v4: adaptive depth. Stop growing the tree once the most probable path of the last level
+    # drawn is below ``min_path_p`` (its next level would not pay for its drafting time)
+    min_path_p: float = 0.0
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -169,10 +172,16 @@ class DraftRequest(PipelineMessage):
     def upgrade_from_2(body: dict) -> dict:
         return body  # v3 only adds fields with defaults
 
+    @staticmethod
+    def upgrade_from_3(body: dict) -> dict:
+        return body  # v4 only adds a field with a default
+
     def _check(self) -> None:
         _non_negative(self, "root_token", "position", "max_nodes", "max_depth")
         if self.top_k < 1:
             raise ValueError("DraftRequest.top_k must be >= 1")
+        if not 0.0 <= self.min_path_p <= 1.0:  # also rejects NaN
+            raise ValueError(f"DraftRequest.min_path_p must lie in [0, 1], got {self.min_path_p}")
 
 
 @register

@@ -101,3 +101,21 @@ def test_bucket_helpers_and_the_cost_of_static_shapes():
     c0, c1 = cm.compute_line()
     assert c0 == pytest.approx(0, abs=1e-9) and c1 == pytest.approx(0.01)  # fitted on bucket rows
     assert cm.cost(5) == pytest.approx(cm.cost(8)) and cm.cost(9) > cm.cost(8)  # flat inside a bucket
+
+
+def test_draft_pace_drafts_what_fits_behind_the_pass_and_stops_serial_drafts_when_they_stop_paying():
+    from lever_actors.planner import DraftPace
+
+    pace = DraftPace(alpha=1.0)
+    assert pace.limits(hidden=True, max_depth=16, node_s=0.01) == (16, 0.0)  # nothing measured yet
+    pace.observe_draft(draft_s=0.25, calls=10)  # 25 ms a level
+    pace.observe_pass(committed=6, pass_s=0.40, waited_s=0.0)  # 15 tok/s, 0.4 s to hide drafting behind
+    depth, p_hidden = pace.limits(hidden=True, max_depth=16, node_s=0.01)
+    assert depth == int(0.40 / 0.025) - 2 and p_hidden == pytest.approx(15 * 0.01)
+    assert pace.limits(hidden=True, max_depth=8, node_s=0.01)[0] == 8  # never past the mode's own cap
+    _, p_serial = pace.limits(hidden=False, max_depth=16, node_s=0.01)
+    assert p_serial == pytest.approx(15 * (0.025 + 0.01)) and p_serial > p_hidden  # waited-for levels cost more
+    pace.observe_pass(committed=2, pass_s=0.40, waited_s=0.1)  # acceptance fell: 5 tok/s
+    assert pace.limits(hidden=False, max_depth=16, node_s=0.01)[1] < p_serial  # a slower rate: a level pays sooner
+    pace.observe_draft(draft_s=1.0, calls=2)  # a slow drafter: hidden drafts get shallow
+    assert pace.limits(hidden=True, max_depth=16, node_s=0.01)[0] == 1

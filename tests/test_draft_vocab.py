@@ -1,0 +1,130 @@
+"""The draft's vocabulary subset: exact logits on its columns, lossless speculation, exact sampling."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import trio
+
+from lever_actors.bundle import load_bundle
+from lever_actors.draft_vocab import BUNDLE_FILE, SubsetHead, coverage, load_subset, save_subset, subset_for
+from lever_actors.engine import EngineConfig
+from lever_actors.model import Transformer
+from lever_actors.ortrt import LaneConfig
+from lever_actors.sampling import SamplingParams, accept_sampled
+from lever_actors.tokenizer import load_tokenizer
+
+PROMPT = "def add(left, right):\n    return"
+CONTEXT = 160
+
+
+@pytest.fixture(scope="module")
+def trimmed_draft(tiny_bundles, tmp_path_factory):
+    """The tiny draft with a subset of half its vocabulary: its top choice is often missing."""
+    out = tmp_path_factory.mktemp("trimmed") / "draft.bundle"
+    shutil.copytree(tiny_bundles[1], out)
+    b = load_bundle(out)
+    vocab = b.dims["vocab_size"]
+    ids = np.arange(0, vocab, 2, dtype=np.int32)
+    save_subset(out / BUNDLE_FILE, ids, vocab, {"coverage_generated": 0.5})
+    return out
+
+
+def test_subset_round_trips_through_its_file(tmp_path):
+    ids = np.array([0, 5, 17, 999], np.int32)
+    save_subset(tmp_path / "s.npz", ids, 1000, {"size": 4})
+    back, meta = load_subset(tmp_path / "s.npz")
+    np.testing.assert_array_equal(back, ids)
+    assert meta == {"size": 4}
+    assert coverage(ids, [0, 5, 6, 7]) == 0.5
+
+
+def test_subset_logits_equal_the_full_heads_bit_for_bit(trimmed_draft):
+    b = load_bundle(trimmed_draft)
+    ids, _, _ = subset_for(b)
+    full = Transformer(b, 32, LaneConfig())
+    head = SubsetHead(b, ids, LaneConfig())
+    h = np.random.default_rng(0).normal(0, 1, (3, b.dims["hidden"])).astype(np.float32)
+    ref = full.logits(h)
+    np.testing.assert_array_equal(head.logits(h), ref[:, ids])
+    head.set_prompt([1, 3, 3, 4, 2**31 - 1])  # odd ids are outside the subset; out-of-vocabulary ids are ignored
+    assert list(head.ids[len(ids):]) == [1, 3]
+    np.testing.assert_array_equal(head.logits(h), ref[:, head.ids])
+    head.set_prompt([0, 2])  # all inside: no extra rows
+    assert head.extra is None and len(head.ids) == len(ids)
+    assert head.nbytes <= b.head_bytes()  # the subset and the largest prompt extra: at most the whole head
+
+
+async def _generate(cfg, target, draft, ids, params):
+    from lever_actors.runtime import open_pipeline
+
+    eos = set(load_tokenizer(target).eos_ids)
+    async with open_pipeline(cfg, target, draft, eos) as pipe:
+        async def emit(_):
+            return False
+        toks, _, stats = await pipe.generate(ids, 40, params, emit)
+        return toks, stats, pipe.describe(), pipe.drafter
+
+
+@pytest.mark.parametrize("mode", ["flash-chain:3", "lever:12", "flash-tree:6"])
+def test_greedy_speculation_with_a_subset_head_equals_resident_ar(tiny_bundles, trimmed_draft, mode):
+    target = tiny_bundles[0]
+    ids = load_tokenizer(target).encode(PROMPT)
+    ref = trio.run(_generate, EngineConfig(mode="resident-ar", context=CONTEXT), target, None, ids, SamplingParams())[0]
+    cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode(mode)
+    toks, stats, plan, drafter = trio.run(_generate, cfg, target, trimmed_draft, ids, SamplingParams())
+    assert toks == ref
+    assert isinstance(drafter.head, SubsetHead) and "tokens + the prompt's" in plan["draft_vocab"]
+    assert stats["draft_n"] > 0
+    full = trio.run(_generate, cfg.with_mode(mode + "+no-vocab-trim"), target, trimmed_draft, ids, SamplingParams())
+    assert full[0] == ref and full[2]["draft_vocab"].startswith("full")
+
+
+def test_the_subset_drafter_proposes_only_subset_and_prompt_tokens(tiny_bundles, trimmed_draft):
+    from lever_actors.runtime import open_pipeline
+    from protocols import DraftRequest
+
+    target = tiny_bundles[0]
+    ids = load_tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="flash-tree", gamma=12, context=CONTEXT, dram_budget=24 * 2**20)
+
+    async def main():
+        async with open_pipeline(cfg, target, trimmed_draft, set()) as pipe:
+            d = pipe.drafter
+            exp = d.draft(DraftRequest(session_id=1, step=1, epoch=0, root_token=ids[-1], position=len(ids) - 1,
+                                       max_nodes=12, max_depth=3, top_k=3, committed=tuple(ids), reset=True))
+            return exp, set(d.head.ids.tolist())
+
+    exp, allowed = trio.run(main)
+    assert len(exp.tokens) > 0
+    assert set(exp.tokens.tolist()) <= allowed
+    assert set(ids) <= allowed  # the prompt's own tokens are scored too
+
+
+def test_sampled_speculation_with_a_subset_head_is_reproducible_and_valid(tiny_bundles, trimmed_draft):
+    target = tiny_bundles[0]
+    ids = load_tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="flash-tree", gamma=6, context=CONTEXT, dram_budget=24 * 2**20)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
+    a = trio.run(_generate, cfg, target, trimmed_draft, ids, params)
+    b = trio.run(_generate, cfg, target, trimmed_draft, ids, params)
+    assert a[0] == b[0] and len(a[0]) > 0
+
+
+def test_a_draft_without_mass_off_its_subset_still_gives_the_target_distribution():
+    """The subset draft reports zero probability off the subset and samples from exactly that:
+    rejection sampling then hands the target's whole distribution back, off-subset tokens included."""
+    rng = np.random.default_rng(5)
+    vocab = 6
+    q = rng.dirichlet(np.ones(vocab))  # target: mass on every token
+    p = np.zeros(vocab)
+    p[[0, 2, 3]] = rng.dirichlet(np.ones(3))  # draft: the subset {0, 2, 3} only
+    firsts = []
+    for step in range(20000):
+        x = int(np.random.default_rng([7, step]).choice(vocab, p=p))
+        _, committed = accept_sampled(np.array([-1, 0]), np.array([0, x]), [p, None], [q, q], seed=8, step=step)
+        firsts.append(committed[0])
+    hist = np.bincount(firsts, minlength=vocab) / len(firsts)
+    assert 0.5 * np.abs(hist - q).sum() < 0.015
+    assert hist[1] > 0 and hist[4] > 0  # tokens the draft can never propose still come out
