@@ -43,7 +43,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g = p.add_argument_group("runtime")
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
-                        "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth (default "
+                        "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",
@@ -64,6 +64,9 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--no-adaptive-depth", action="store_true",
                    help="ablation: lever drafts to its depth cap every pass instead of stopping where another "
                         "level no longer pays for its drafting time")
+    g.add_argument("--no-ngram", action="store_true",
+                   help="ablation: lever offers its planner no prompt-lookup branches (what followed the last "
+                        "occurrence of the context's last tokens) beside the drafted tree")
     _add_lever_args(g)
 
 

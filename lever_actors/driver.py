@@ -21,7 +21,8 @@ import numpy as np
 import trio
 
 from lever_actors.decode import check_context
-from lever_actors.planner import LeverPolicy, bucket_for
+from lever_actors.ngram import merge_branch, prompt_lookup
+from lever_actors.planner import NGRAM_PRIOR, LeverPolicy, bucket_for
 from lever_actors.sampling import SamplingParams
 from lever_actors.speculation import CrossStep, main_path
 from protocols import Abort, DraftRequest, VerifyPlan
@@ -29,6 +30,7 @@ from protocols import Abort, DraftRequest, VerifyPlan
 TREE_TOP_K = 3  # children scored per node by the tree modes
 TREE_WIDTH = 4  # nodes per tree level: with this pair's sharp draft, budget is best spent on depth
 TREE_MAX_DEPTH = 16
+NGRAM_BRANCH = 8  # tokens of a prompt-lookup branch offered to the planner
 
 
 @dataclass
@@ -47,6 +49,9 @@ class RunStats:
     draft_busy_s: float = 0.0  # drafter time spent computing them
     spec_hits: int = 0
     spec_misses: int = 0
+    ngram_offered: int = 0  # free prompt-lookup nodes offered to the planner (not drafted already)
+    ngram_n: int = 0  # ... verified
+    ngram_accepted: int = 0  # ... and accepted
     pass_s: float = 0.0
     accept_hist: dict = field(default_factory=dict)
     tree_sizes: list = field(default_factory=list)
@@ -64,6 +69,7 @@ class RunStats:
             "draft_hidden_s": self.draft_hidden_s, "spec_hits": self.spec_hits, "spec_misses": self.spec_misses,
             "spec_hit_rate": self.spec_hits / (self.spec_hits + self.spec_misses)
             if self.spec_hits + self.spec_misses else None,
+            "ngram_offered": self.ngram_offered, "ngram_n": self.ngram_n, "ngram_accepted": self.ngram_accepted,
             "draft_wait_s": self.draft_wait_s, "draft_tokens": self.draft_tokens, "draft_busy_s": self.draft_busy_s,
             "draft_wait_share": self.draft_wait_s / self.pass_s if self.pass_s > 0 else 0.0,
             "draft_ms_per_token": 1e3 * self.draft_busy_s / self.draft_tokens if self.draft_tokens else None,
@@ -90,6 +96,7 @@ class Tree:
     alts: np.ndarray | None = None  # greedy: the draft's rivals per row, for the pruner
     draft_s: float = 0.0  # drafter time it took
     ahead: bool = False  # drafted beside the previous pass
+    ngram: np.ndarray | None = None  # per node (root first): a free prompt-lookup node, not drafted
 
     @classmethod
     def from_expansion(cls, exp, ahead: bool) -> "Tree":
@@ -103,7 +110,21 @@ class Tree:
         return Tree([self.drafted[i - 1] for i in keep[1:]], [-1] + [new_id[self.parents[i]] for i in keep[1:]],
                     np.asarray([self.probs[i - 1] for i in keep[1:]], np.float32),
                     None if self.dists is None else self.dists[rows], None if self.alts is None else self.alts[rows],
-                    self.draft_s, self.ahead)
+                    self.draft_s, self.ahead, None if self.ngram is None else self.ngram[rows])
+
+    def with_branch(self, branch: list[int], prob: float) -> "Tree":
+        """This tree with the chain ``branch`` merged below the root (new nodes marked n-gram)."""
+        drafted, parents, first = merge_branch(self.drafted, self.parents, branch)
+        new = len(parents) - first
+        if not new:
+            return self
+        ngram = np.zeros(len(parents), bool) if self.ngram is None else np.concatenate([self.ngram, np.zeros(new, bool)])
+        ngram[first:] = True
+        alts = self.alts
+        if alts is not None:  # a free node has no rival of the draft's: it lists its own token
+            alts = np.concatenate([alts, np.repeat(np.asarray(drafted[first - 1:], np.int32)[:, None], alts.shape[1], 1)])
+        probs = np.concatenate([self.probs, np.full(new, prob, np.float32)])
+        return Tree(drafted, parents, probs, self.dists, alts, self.draft_s, self.ahead, ngram)
 
     def depths(self) -> np.ndarray:
         d = np.zeros(len(self.parents), np.int32)
@@ -302,7 +323,12 @@ class Pipeline:
         """lever: the subtree with the most expected tokens per second of pass time."""
         if not self._planning(g) or not tree.drafted:
             return tree
-        keep = self.lever.select(np.asarray(tree.parents), np.concatenate([[1.0], tree.probs]), g.gamma)
+        if self.cfg.ngram:  # free branches: what followed the last occurrence of the context's tail
+            branch = prompt_lookup(g.prompt + g.out, NGRAM_BRANCH)
+            if branch:
+                tree = tree.with_branch(branch, NGRAM_PRIOR)
+                g.stats.ngram_offered += 0 if tree.ngram is None else int(tree.ngram.sum())
+        keep = self.lever.select(np.asarray(tree.parents), np.concatenate([[1.0], tree.probs]), g.gamma, tree.ngram)
         g.stats.tree_sizes.append(len(keep) - 1)  # drafted nodes verified (the root is not drafted)
         return tree.subtree(keep)
 
@@ -350,7 +376,12 @@ class Pipeline:
         if self._planning(g):
             self.lever.pace.observe_pass(n, pass_s, g.pass_wait_s)
             self.lever.observe(parents, tree.depths(), np.concatenate([[1.0], tree.probs]), commit.accepted_nodes,
-                               pass_s=pass_s, compute_s=ps.compute_s, draft_s=0.0 if tree.ahead else tree.draft_s)
+                               pass_s=pass_s, compute_s=ps.compute_s, draft_s=0.0 if tree.ahead else tree.draft_s,
+                               ngram=tree.ngram)
+            if tree.ngram is not None:
+                free = set(np.flatnonzero(tree.ngram).tolist())
+                st.ngram_n += len(free)
+                st.ngram_accepted += len(free & set(commit.accepted_nodes))
             g.draft_cap = self.lever.next_draft_size(g.gamma)
         g.prev_accepted = commit.accepted_nodes
 

@@ -45,8 +45,9 @@ def default_budget(mode: str, text: str | None) -> int | None:
 
 
 # ablations: no cross-step drafting; lever without its planner; lever without early-exit pruning; the
-# draft's full LM head instead of its calibrated vocabulary subset; lever drafting to its depth cap every time
-MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth")
+# draft's full LM head instead of its calibrated vocabulary subset; lever drafting to its depth cap every time;
+# lever without free prompt-lookup branches
+MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -100,6 +101,7 @@ class EngineConfig:
     buckets: tuple[int, ...] = ()  # static token shapes of verification passes (() = exact sizes, the CPU default)
     vocab_trim: bool = True  # the draft's head scores its calibrated vocabulary subset (+ the prompt's tokens)
     adaptive_depth: bool = True  # lever: the gain/cost rule also decides how deep to draft
+    ngram: bool = True  # lever: prompt-lookup branches offered to the planner beside the draft's tree
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
@@ -113,7 +115,8 @@ class EngineConfig:
         return replace(self, mode=name, gamma=gamma, overlap=self.overlap and "no-overlap" not in flags,
                        fixed_tree=self.fixed_tree or "fixed-tree" in flags, prune=self.prune and "no-prune" not in flags,
                        vocab_trim=self.vocab_trim and "no-vocab-trim" not in flags,
-                       adaptive_depth=self.adaptive_depth and "no-adaptive-depth" not in flags, dram_budget=budget)
+                       adaptive_depth=self.adaptive_depth and "no-adaptive-depth" not in flags,
+                       ngram=self.ngram and "no-ngram" not in flags, dram_budget=budget)
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
@@ -137,7 +140,7 @@ class EngineConfig:
             prune_layer=getattr(args, "prune_layer", None), prune_threshold=getattr(args, "prune_threshold", None),
             buckets=_buckets(getattr(args, "buckets", None)), draft_threads=getattr(args, "draft_threads", 1),
             vocab_trim=not getattr(args, "no_vocab_trim", False),
-            adaptive_depth=not getattr(args, "no_adaptive_depth", False),
+            adaptive_depth=not getattr(args, "no_adaptive_depth", False), ngram=not getattr(args, "no_ngram", False),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
     def mode_string(self) -> str:
@@ -152,6 +155,8 @@ class EngineConfig:
             text += "+no-vocab-trim"
         if self.mode == "lever" and not self.adaptive_depth:
             text += "+no-adaptive-depth"
+        if self.mode == "lever" and not self.ngram:
+            text += "+no-ngram"
         return text
 
     @property

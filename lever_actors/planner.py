@@ -43,6 +43,7 @@ def parse_buckets(text: str | None) -> tuple[int, ...]:
     return values
 
 
+NGRAM_PRIOR = 0.5  # what an n-gram node is taken to be worth before any has been verified (explores them)
 PROB_BINS = np.array([0.0, 0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95, 1.0001])
 
 
@@ -223,6 +224,8 @@ class LeverPolicy:
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     costs: CostModel = field(default_factory=CostModel)
     pace: DraftPace = field(default_factory=DraftPace)
+    # n-gram (prompt-lookup) nodes: acceptance by depth alone, with its own record
+    ngram_calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     max_depth: int = 16
     last_size: int = 0
 
@@ -231,27 +234,42 @@ class LeverPolicy:
         node_s = self.costs.compute_per_node_s if self.costs.ready else 0.0
         return self.pace.limits(hidden, max_depth, node_s)
 
-    def select(self, parents: np.ndarray, draft_probs: np.ndarray, max_nodes: int) -> list[int]:
-        """Nodes (root first) of the drafted tree to verify this pass."""
+    def conditional(self, depth: np.ndarray, draft_probs: np.ndarray, ngram: np.ndarray | None) -> np.ndarray:
+        """Calibrated acceptance of each node given its parent's: drafted nodes by (depth, draft
+        probability), n-gram nodes by depth from their own record (they have no draft probability)."""
+        cond = self.calibration.conditional(depth, draft_probs)
+        if ngram is not None and ngram.any():
+            cond = np.where(ngram, self.ngram_calibration.conditional(depth, np.full(len(depth), NGRAM_PRIOR)), cond)
+        return cond
+
+    def select(self, parents: np.ndarray, draft_probs: np.ndarray, max_nodes: int,
+               ngram: np.ndarray | None = None) -> list[int]:
+        """Nodes (root first) of the drafted tree to verify this pass (``ngram`` marks free branch nodes)."""
         depth = np.zeros(len(parents), int)
         for i in range(1, len(parents)):
             depth[i] = depth[parents[i]] + 1
         if not self.costs.ready:  # first pass: nothing measured yet, verify what was drafted
             keep = list(range(min(len(parents), max_nodes + 1)))
         else:
-            cond = self.calibration.conditional(depth, draft_probs)
+            cond = self.conditional(depth, draft_probs, ngram)
             keep = plan_tree(parents, path_probabilities(parents, cond), self.costs.cost, max_nodes + 1,
                              self.max_depth)
         self.last_size = len(keep) - 1
         return keep
 
     def observe(self, parents, depths, draft_probs, accepted_nodes, pass_s: float, compute_s: float,
-                draft_s: float) -> None:
+                draft_s: float, ngram: np.ndarray | None = None) -> None:
         accepted = set(accepted_nodes) | {0}
-        cand = [i for i in range(1, len(parents)) if parents[i] in accepted]
-        if cand:
-            self.calibration.observe(np.asarray(depths)[cand], np.asarray(draft_probs)[cand],
-                                     [i in accepted for i in cand])
+        cand = np.asarray([i for i in range(1, len(parents)) if parents[i] in accepted], int)
+        if cand.size:
+            free = np.zeros(len(parents), bool) if ngram is None else np.asarray(ngram, bool)
+            hit = np.asarray([i in accepted for i in cand], float)
+            d, p = np.asarray(depths)[cand], np.asarray(draft_probs)[cand]
+            own = ~free[cand]
+            if own.any():
+                self.calibration.observe(d[own], p[own], hit[own])
+            if (~own).any():
+                self.ngram_calibration.observe(d[~own], np.full(int((~own).sum()), NGRAM_PRIOR), hit[~own])
         self.costs.observe(len(parents), pass_s, compute_s, draft_s)
 
     def next_draft_size(self, cap: int) -> int:

@@ -222,11 +222,26 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
             head_rows.close()
         for f in files.values():
             f.close()
+        _close_pool(pool)
+
+
+def _close_pool(pool) -> None:
+    """Unmap every stream buffer. A cancelled pass can leave layer views in reference cycles (its
+    frames, held by the Cancelled traceback); one collection frees them, so the retry succeeds."""
+    import gc
+
+    for attempt in range(2):
+        busy = []
         for b in pool:
             try:
                 b.close()
-            except BufferError:  # a layer view outlived the pipeline; the mapping goes with it
-                pass
+            except BufferError:
+                busy.append(b)
+        if not busy:
+            return
+        pool = busy
+        gc.collect()
+    # still viewed from outside the pipeline: the mapping goes when the last view does
 
 
 def run_generation(cfg, tbundle, dbundle, tok, ids, max_tokens, params, on_token, on_text, dec, t0):

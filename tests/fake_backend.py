@@ -22,8 +22,8 @@ import socket
 import sys
 import threading
 import traceback
-from collections.abc import Awaitable, Callable
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -172,7 +172,8 @@ class _Watchdog(trio.abc.Instrument):
 
     A busy loop keeps tasks runnable, so the autojump clock never advances and
     no virtual timeout (``fail_after``) can fire; only real time can end such
-    a run. Escalation, from a helper thread, ``grace_s`` apart: (1) count
+    a run. A run whose virtual clock still moves is slow, not busy (a loaded
+    machine): its deadline is extended. Escalation, from a helper thread, ``grace_s`` apart: (1) count
     which tasks the loop keeps stepping, report their await stacks and cancel
     the run; (2) if the loop does not answer (a loop with no checkpoint), take
     every thread's stack and interrupt the main thread; (3) as a last resort,
@@ -180,6 +181,8 @@ class _Watchdog(trio.abc.Instrument):
     """
 
     SAMPLE_STEPS = 5000  # task steps counted to name the busy tasks
+    MAX_EXTENSIONS = 10  # windows a slow run may take while its virtual clock still moves
+    LAST_RESORT_S = 60.0  # real seconds the interrupted main thread gets before the process exits
 
     def __init__(self, seconds: float, grace_s: float = 10.0):
         self.seconds, self.grace_s = seconds, grace_s
@@ -208,8 +211,33 @@ class _Watchdog(trio.abc.Instrument):
             return False
         return True
 
+    def _virtual_now(self) -> float | None:
+        """The run's virtual time, read inside the loop (None if the loop did not answer in time)."""
+        got, answered = [], threading.Event()
+
+        def read() -> None:
+            got.append(trio.current_time())
+            answered.set()
+
+        if not self._call_soon(read) or not answered.wait(min(1.0, self.grace_s)):
+            return None
+        return got[0]
+
     def _watch(self) -> None:
-        if self._done.wait(self.seconds) or not self._call_soon(self._begin_sample):
+        # A slow run (a loaded machine) still moves virtual time, because its tasks block and
+        # autojump fires; a busy loop keeps it still. So the deadline is extended while virtual
+        # time moves, up to MAX_EXTENSIONS windows, and only a still clock (or no answer) fires.
+        last = None
+        for _ in range(self.MAX_EXTENSIONS + 1):
+            if self._done.wait(self.seconds):
+                return
+            now = self._virtual_now()
+            if self._done.is_set():
+                return
+            if now is None or now == last:
+                break
+            last = now
+        if not self._call_soon(self._begin_sample):
             return
         # The sample reports after SAMPLE_STEPS steps; report anyway if steps are rare.
         if self._done.wait(min(1.0, self.grace_s)) or not self._call_soon(self._fire):
@@ -222,11 +250,17 @@ class _Watchdog(trio.abc.Instrument):
                        f"of real time after the run began (a loop without a checkpoint?); "
                        f"stacks of all threads:\n{stacks}")
         if self._in_main_thread:
+            # KeyboardInterrupt in the main thread ends trio.run; run_autojump turns it into this
+            # test's WatchdogTimeout, so the test fails with the report and the suite goes on
             _thread.interrupt_main()
-            if self._done.wait(self.grace_s):
+            if self._done.wait(self.LAST_RESORT_S):
                 return
+        # Last resort, for a main thread stuck in C code: the report goes to a file (pytest
+        # captures fd 2, so a message there dies with the process) and the process exits.
+        path = Path(os.environ.get("LEVER_TEST_WATCHDOG_REPORT", "watchdog-report.txt")).resolve()
+        path.write_text(f"MockClock watchdog: {self.report}\n")
         err = sys.__stderr__
-        err.write(f"\nMockClock watchdog: {self.report}\nthe run did not stop; exiting\n")
+        err.write(f"\nMockClock watchdog: the run did not stop; report in {path}; exiting\n")
         err.flush()
         os._exit(70)
 

@@ -85,3 +85,17 @@ def test_a_daemon_test_that_spins_fails_instead_of_hanging(tmp_path: Path):
     with pytest.raises(WatchdogTimeout) as info:
         daemon_test(tmp_path)
     assert "in generate" in str(info.value) and "Engine.run" in str(info.value)
+
+
+def test_a_slow_run_whose_clock_moves_is_not_a_busy_loop():
+    """A loaded machine makes a healthy run slow in real time; its virtual clock still moves, so
+    the watchdog extends the deadline instead of failing it (a CI run once died this way)."""
+    async def main() -> int:
+        for _ in range(12):
+            time.sleep(0.1)  # real time passes, as on a loaded machine
+            await trio.sleep(1)  # and the run goes on in virtual time
+        return 7
+
+    t0 = time.monotonic()
+    assert run_autojump(main, watchdog_s=0.3, grace_s=3.0) == 7
+    assert time.monotonic() - t0 > 0.9  # it really outlived several watchdog windows

@@ -318,3 +318,19 @@ def test_lane_threads_are_configuration(tiny_bundles, ar_tokens):
     toks, _, pipe = trio.run(generate, cfg, target, draft, tokenizer(target).encode(PROMPT))
     assert toks == ar_tokens
     assert pipe.drafter.m.lane.threads == 2 and pipe.target.lane.threads == cfg.lane.threads == 1
+
+
+@pytest.mark.parametrize("draft_kind", ["perturbed", "unrelated"])
+def test_lever_with_prompt_lookup_branches_is_lossless(tiny_bundles, unrelated_draft, draft_kind):
+    """A repetitive prompt gives the planner free n-gram nodes; whatever it verifies, the output is the target's."""
+    target = tiny_bundles[0]
+    draft = {"perturbed": tiny_bundles[1], "unrelated": unrelated_draft}[draft_kind]
+    ids = tokenizer(target).encode("x = add(left, right)\n" * 4 + "x = add(")
+    ref = trio.run(generate, EngineConfig(mode="resident-ar", context=CONTEXT), target, None, ids)[0]
+    cfg = EngineConfig(mode="lever", gamma=12, context=CONTEXT, dram_budget=24 * 2**20)
+    toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
+    assert toks == ref
+    assert stats["ngram_n"] > 0  # the branch was offered and verified
+    assert pipe.lever.ngram_calibration.seen.sum() > 0  # and its acceptance recorded on its own
+    off = trio.run(generate, cfg.with_mode("lever:12+no-ngram"), target, draft, ids)
+    assert off[0] == ref and off[1]["ngram_n"] == 0
