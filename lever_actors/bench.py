@@ -127,6 +127,8 @@ def run_bench(args) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
         raise ConfigError("--modes is empty")
+    if getattr(args, "budgets", None):
+        modes = sweep_modes(modes, args.budgets)
     configs = {}
     for m in modes:
         configs[m] = replace(base.with_mode(m), trace=None)
@@ -140,6 +142,23 @@ def run_bench(args) -> int:
             json.dump(results, f, indent=1)
         print(f"wrote {args.json_out}", file=sys.stderr)
     return 0
+
+
+def sweep_modes(modes: list[str], budgets: str) -> list[str]:
+    """Each flash mode at each budget of the sweep (``MODE@BUDGET``); resident-ar and modes that
+    carry their own ``@`` budget run once. Each pipeline is planned as if it were alone."""
+    from lever_actors.engine import parse_mode
+
+    sizes = [b.strip() for b in budgets.split(",") if b.strip()]
+    if not sizes:
+        raise ConfigError("--budgets is empty")
+    out = []
+    for m in modes:
+        if "@" in m or parse_mode(m)[0] == "resident-ar":
+            out.append(m)
+        else:
+            out += [f"{m}@{b}" for b in sizes]
+    return list(dict.fromkeys(out))
 
 
 def floor_ms_per_token(mode: dict, bytes_per_s: float) -> float:
@@ -223,23 +242,34 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
 
 
 def add_ratios(modes: dict) -> None:
-    """Each mode's speed over ``flash-ar``, over the run's best ``flash-chain`` and against ``resident-ar``.
+    """Each mode's speed over ``flash-ar``, over the best ``flash-chain`` and against ``resident-ar``.
 
-    The best chain is taken at the run's own budget: a mode with its own ``@SIZE``
-    budget (e.g. a chain with the whole target resident) is another setting.
+    Comparisons stay at one budget: a mode carrying its own ``@SIZE`` is compared with
+    ``flash-ar@SIZE`` and the best chain at that budget (a budget sweep); where its budget has
+    no chain or no ``flash-ar``, with those of the run's own budget.
     """
     def speed(name):
         return modes.get(name, {}).get("tokens_per_s")
 
     from lever_actors.engine import parse_mode
 
-    chains = [m for m in modes if "@" not in m and parse_mode(m)[0] == "flash-chain"]
-    best_chain = max(chains, key=speed) if chains else None
-    for r in modes.values():
-        for key, ref in (("speedup_vs_flash_ar", speed("flash-ar")), ("speedup_vs_best_chain", speed(best_chain)),
+    def budget(m: str) -> str:
+        return m.split("@", 1)[1] if "@" in m else ""
+
+    def best_chain_at(b: str):
+        chains = [m for m in modes if budget(m) == b and parse_mode(m)[0] == "flash-chain"]
+        return max(chains, key=speed) if chains else None
+
+    base_chain = best_chain_at("")
+    for m, r in modes.items():
+        b = budget(m)
+        chain = best_chain_at(b) or base_chain
+        ar = f"flash-ar@{b}" if b and f"flash-ar@{b}" in modes else "flash-ar"
+        for key, ref in (("speedup_vs_flash_ar", speed(ar)), ("speedup_vs_best_chain", speed(chain)),
                          ("vs_resident_ar", speed("resident-ar"))):
             r[key] = r["tokens_per_s"] / ref if ref else None
-        r["best_chain"] = best_chain
+        r["best_chain"] = chain
+        r["budget"] = b or None
 
 
 async def _one(pipe, tok, text: str, max_tokens: int, params) -> dict:

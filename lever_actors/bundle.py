@@ -216,6 +216,10 @@ def read_region(bundle: Bundle, region: Region, verify: bool = False) -> bytearr
     with open(bundle.file(region.file), "rb") as f:
         f.seek(region.offset)
         n = f.readinto(buf)
+        # the copy is ours now: drop the page-cache pages it came through, which a memory cgroup
+        # would otherwise charge to this process on top of the copy
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), region.offset, region.nbytes, os.POSIX_FADV_DONTNEED)
     if n != region.nbytes:
         raise ModelError(f"{bundle.file(region.file)} is truncated at offset {region.offset}")
     if verify and hashlib.sha256(buf).hexdigest() != region.sha256:

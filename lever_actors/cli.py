@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--flash-bandwidth", default=None, metavar="RATE", help="cap flash reads, e.g. 800MB")
     b.add_argument("--json", dest="json_out", metavar="OUT", help="write per-mode and per-prompt figures to OUT")
     b.add_argument("--warmup", type=int, default=1, metavar="N", help="warm-up prompts per mode (default 1)")
+    b.add_argument("--budgets", default=None, metavar="LIST",
+                   help="budget sweep: run every flash mode at each of these DRAM budgets, e.g. "
+                        "600MiB,768MiB,1GiB,unlimited (modes named MODE@BUDGET in the JSON; plot with "
+                        "tools/plot_bench.py)")
     _add_lever_args(b.add_argument_group("lever (every lever mode of the run)"))
     _add_sampling_args(b)
     _add_model_args(b)

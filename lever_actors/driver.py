@@ -21,6 +21,7 @@ import numpy as np
 import trio
 
 from lever_actors.decode import check_context
+from lever_actors.memory import release_memory
 from lever_actors.ngram import merge_branch, prompt_lookup
 from lever_actors.planner import NGRAM_PRIOR, LeverPolicy, bucket_for
 from lever_actors.sampling import SamplingParams
@@ -198,7 +199,8 @@ class Pipeline:
         return {"mode": self.cfg.mode_string(), "pinned_layers": list(self.plan.pinned),
                 "streamed_layers": list(self.plan.streamed), "head_streamed": self.plan.head_streamed,
                 "stream_slots": self.plan.n_slots, "budget": self.plan.describe(),
-                "direct_io": self.prefetcher.direct, "prune": self.prune_note, "draft_vocab": self.vocab_note}
+                "direct_io": self.prefetcher.direct, "prune": self.prune_note, "draft_vocab": self.vocab_note,
+                "budget_source": getattr(self.cfg, "budget_source", "")}
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, emit) -> tuple[list[int], str, dict]:
         """Generate up to ``max_tokens`` after ``prompt_ids``; ``await emit(token_ids)`` per commit
@@ -400,6 +402,7 @@ class Pipeline:
 
     def _finish(self, g: Generation, finish: str, io_before: int, t_io0: float, t_start: float,
                 t_decode: float) -> tuple[list[int], str, dict]:
+        release_memory()  # the budget is the process: what this generation freed goes back to the OS
         g.stats.flash_bytes = self.prefetcher.bytes_read - io_before
         d = g.stats.as_dict(self.tracer.busy("flash") - t_io0)
         # share of flash-read time hidden behind builds, layer compute or drafting

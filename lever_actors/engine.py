@@ -39,9 +39,23 @@ DEFAULT_FLASH_BUDGET = "1GiB"
 
 def default_budget(mode: str, text: str | None) -> int | None:
     """The flash modes default to a phone-like 1 GiB; resident-ar needs no budget."""
+    return budget_with_source(mode, text)[0]
+
+
+def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
+    """(bytes or None, where the number came from) of a ``--dram-budget`` value; 'auto' reads the
+    enclosing cgroup's memory limit, else a share of MemAvailable (``lever_actors.memory``)."""
     if text is None:
-        return None if mode == "resident-ar" else parse_size(DEFAULT_FLASH_BUDGET)
-    return parse_size(text)
+        if mode == "resident-ar":
+            return None, "unlimited (resident-ar)"
+        return parse_size(DEFAULT_FLASH_BUDGET), f"default {DEFAULT_FLASH_BUDGET}"
+    if str(text).strip().lower() == "auto":
+        from lever_actors.memory import auto_budget
+
+        value, source = auto_budget()
+        return value, f"auto: {source}"
+    value = parse_size(text)
+    return value, "unlimited" if value is None else f"--dram-budget {text}"
 
 
 # ablations: no cross-step drafting; lever without its planner; lever without early-exit pruning; the
@@ -88,6 +102,7 @@ class EngineConfig:
     model: str = "target"
     context: int = 1024
     dram_budget: int | None = None
+    budget_source: str = ""  # where dram_budget came from (a size given, auto: the cgroup's limit, ...)
     flash_bandwidth: float | None = None
     lane: LaneConfig = field(default_factory=LaneConfig)
     trace: str | None = None
@@ -109,14 +124,14 @@ class EngineConfig:
 
         name, gamma = parse_mode(text, gamma)
         _, flags = parse_mode_flags(text)
-        budget = self.dram_budget
+        budget, source = self.dram_budget, self.budget_source
         if "@" in text:  # this mode's own DRAM budget
-            budget = parse_size(text.split("@", 1)[1])
+            budget, source = budget_with_source(name, text.split("@", 1)[1])
         return replace(self, mode=name, gamma=gamma, overlap=self.overlap and "no-overlap" not in flags,
                        fixed_tree=self.fixed_tree or "fixed-tree" in flags, prune=self.prune and "no-prune" not in flags,
                        vocab_trim=self.vocab_trim and "no-vocab-trim" not in flags,
                        adaptive_depth=self.adaptive_depth and "no-adaptive-depth" not in flags,
-                       ngram=self.ngram and "no-ngram" not in flags, dram_budget=budget)
+                       ngram=self.ngram and "no-ngram" not in flags, dram_budget=budget, budget_source=source)
 
     @classmethod
     def from_args(cls, args) -> "EngineConfig":
@@ -129,9 +144,10 @@ class EngineConfig:
         if getattr(args, "draft_threads", 1) < 1:
             raise ConfigError(f"--draft-threads must be >= 1, got {args.draft_threads}")
         bw = getattr(args, "flash_bandwidth", None)
+        budget, source = budget_with_source(mode, getattr(args, "dram_budget", None))
         return cls(
             target=args.target, draft=args.draft, mode=mode, gamma=gamma, model=getattr(args, "model", "target"),
-            context=args.context, dram_budget=default_budget(mode, getattr(args, "dram_budget", None)),
+            context=args.context, dram_budget=budget, budget_source=source,
             flash_bandwidth=parse_size(bw) if bw else None,
             lane=LaneConfig(threads=args.threads, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
                             precision=args.precision),
@@ -151,7 +167,7 @@ class EngineConfig:
             text += "+fixed-tree"
         if self.mode == "lever" and not self.prune:
             text += "+no-prune"
-        if self.drafted and not self.vocab_trim:
+        if self.mode == "lever" and not self.vocab_trim:
             text += "+no-vocab-trim"
         if self.mode == "lever" and not self.adaptive_depth:
             text += "+no-adaptive-depth"

@@ -48,9 +48,15 @@ def activation_bytes(dims: dict, context: int, rows: int = 64) -> int:
 
 
 def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None = None) -> BudgetPlan:
+    """The DRAM plan of a pipeline. A budget bounds the whole process, so the runtime's own memory
+    (its baseline, measured at start-up, and headroom for transients) is a line item too."""
+    from lever_actors.memory import HEADROOM, runtime_baseline
+
     d = target.dims
     kv = 2 * d["n_layer"] * d["n_kv_head"] * cfg.context * d["head_dim"] * 4
     items = {"target_kv": kv, "activations": activation_bytes(d, cfg.context), **(extra or {})}
+    if cfg.dram_budget is not None and cfg.mode != "resident-ar" and runtime_baseline() > 0:
+        items = {"runtime": runtime_baseline(), "headroom": HEADROOM, **items}
     if draft_bundle is not None:
         dd = draft_bundle.dims
         items["draft_weights"] = draft_bytes
@@ -77,6 +83,8 @@ def draft_head(cfg, bundle, lane):
     """(SubsetHead or None, description): the draft's calibrated vocabulary subset, when it has one."""
     from lever_actors.draft_vocab import SubsetHead, subset_for
 
+    if cfg.mode != "lever":
+        return None, "full (the baselines draft over the whole vocabulary; the subset is lever's)"
     if not cfg.vocab_trim:
         return None, "full (+no-vocab-trim)"
     if bundle.layout != "native":

@@ -258,3 +258,20 @@ def test_fetch_reconverts_an_ort_layout_bundle_to_native(tiny_gguf, tmp_path, mo
     said.clear()
     models.fetch(roles=("draft",), say=said.append)  # native now: kept as it is
     assert not any("converting again" in m for m in said)
+
+
+def test_a_budget_sweep_runs_each_flash_mode_at_each_budget_and_compares_within_a_budget():
+    from lever_actors.bench import add_ratios, sweep_modes
+
+    assert sweep_modes(["resident-ar", "flash-ar", "lever+no-ngram", "flash-chain:8@1GiB"], "600MiB,unlimited") == [
+        "resident-ar", "flash-ar@600MiB", "flash-ar@unlimited", "lever+no-ngram@600MiB", "lever+no-ngram@unlimited",
+        "flash-chain:8@1GiB"]
+    modes = {m: {"tokens_per_s": v} for m, v in {"flash-ar@600MiB": 5.0, "flash-chain:8@600MiB": 10.0,
+                                                   "lever@600MiB": 15.0, "flash-ar@1GiB": 9.0,
+                                                   "flash-chain:8@1GiB": 12.0, "lever@1GiB": 18.0}.items()}
+    add_ratios(modes)
+    assert modes["lever@600MiB"]["speedup_vs_flash_ar"] == 3.0 and modes["lever@600MiB"]["speedup_vs_best_chain"] == 1.5
+    assert modes["lever@1GiB"]["speedup_vs_flash_ar"] == 2.0 and modes["lever@1GiB"]["best_chain"] == "flash-chain:8@1GiB"
+    assert modes["lever@1GiB"]["budget"] == "1GiB"
+    with pytest.raises(ConfigError, match="--budgets is empty"):
+        sweep_modes(["flash-ar"], " , ")

@@ -67,7 +67,15 @@ async def _generate(cfg, target, draft, ids, params):
         return toks, stats, pipe.describe(), pipe.drafter
 
 
-@pytest.mark.parametrize("mode", ["flash-chain:3", "lever:12", "flash-tree:6"])
+def test_the_baselines_keep_the_full_head(tiny_bundles, trimmed_draft):
+    target = tiny_bundles[0]
+    ids = load_tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="flash-chain", gamma=3, context=CONTEXT, dram_budget=24 * 2**20)
+    _, _, plan, drafter = trio.run(_generate, cfg, target, trimmed_draft, ids, SamplingParams())
+    assert drafter.head.ids is None and plan["draft_vocab"].startswith("full (the baselines")
+
+
+@pytest.mark.parametrize("mode", ["lever:12", "lever:5+no-adaptive-depth", "lever:8+fixed-tree"])
 def test_greedy_speculation_with_a_subset_head_equals_resident_ar(tiny_bundles, trimmed_draft, mode):
     target = tiny_bundles[0]
     ids = load_tokenizer(target).encode(PROMPT)
@@ -87,7 +95,7 @@ def test_the_subset_drafter_proposes_only_subset_and_prompt_tokens(tiny_bundles,
 
     target = tiny_bundles[0]
     ids = load_tokenizer(target).encode(PROMPT)
-    cfg = EngineConfig(mode="flash-tree", gamma=12, context=CONTEXT, dram_budget=24 * 2**20)
+    cfg = EngineConfig(mode="lever", gamma=12, context=CONTEXT, dram_budget=24 * 2**20)
 
     async def main():
         async with open_pipeline(cfg, target, trimmed_draft, set()) as pipe:
@@ -105,7 +113,7 @@ def test_the_subset_drafter_proposes_only_subset_and_prompt_tokens(tiny_bundles,
 def test_sampled_speculation_with_a_subset_head_is_reproducible_and_valid(tiny_bundles, trimmed_draft):
     target = tiny_bundles[0]
     ids = load_tokenizer(target).encode(PROMPT)
-    cfg = EngineConfig(mode="flash-tree", gamma=6, context=CONTEXT, dram_budget=24 * 2**20)
+    cfg = EngineConfig(mode="lever", gamma=6, context=CONTEXT, dram_budget=24 * 2**20)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
     a = trio.run(_generate, cfg, target, trimmed_draft, ids, params)
     b = trio.run(_generate, cfg, target, trimmed_draft, ids, params)

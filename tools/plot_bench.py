@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
@@ -42,7 +46,40 @@ def main() -> None:
     ax.set_title("acceptance length vs tree size")
     fig.tight_layout()
     fig.savefig(f"{a.prefix}-acceptance.png", dpi=120)
-    print(f"{a.prefix}-tokens-per-s.png {a.prefix}-acceptance.png")
+    written = [f"{a.prefix}-tokens-per-s.png", f"{a.prefix}-acceptance.png"]
+    sweep = budget_sweep(modes)
+    if sweep:  # bench --budgets: tokens/s against the DRAM budget, one line per mode
+        fig, ax = plt.subplots(figsize=(7, 4))
+        labels = sorted({b for line in sweep.values() for b, _ in line}, key=_budget_order)
+        for base, line in sweep.items():
+            pts = sorted(line, key=lambda p: _budget_order(p[0]))
+            ax.plot([labels.index(b) for b, _ in pts], [t for _, t in pts], marker="o", label=base)
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_xlabel("--dram-budget (the whole process)")
+        ax.set_ylabel("tokens/s (decode)")
+        ax.set_title("throughput against the DRAM budget")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(f"{a.prefix}-budgets.png", dpi=120)
+        written.append(f"{a.prefix}-budgets.png")
+    print(" ".join(written))
+
+
+def budget_sweep(modes: dict) -> dict:
+    """{mode without its budget: [(budget, tokens/s), ...]} for modes run at two budgets or more."""
+    lines: dict = {}
+    for m, r in modes.items():
+        if "@" in m:
+            base, b = m.split("@", 1)
+            lines.setdefault(base, []).append((b, r["tokens_per_s"]))
+    return {k: v for k, v in lines.items() if len(v) > 1}
+
+
+def _budget_order(label: str) -> float:
+    from lever_actors.engine import parse_size
+
+    size = parse_size(label)
+    return float("inf") if size is None else float(size)
 
 
 if __name__ == "__main__":

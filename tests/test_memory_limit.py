@@ -1,0 +1,139 @@
+"""``--dram-budget`` bounds the whole process, as the kernel counts it, inside real memory cgroups.
+
+``generate`` and ``serve`` run inside a cgroup whose hard limit equals the budget (never
+OOM-killed) and inside one at 1.25x the budget, where the kernel's own peak count
+(``memory.max_usage_in_bytes`` / ``memory.peak``) must stay within the budget: a hard limit
+alone cannot show an overrun, since the kernel reclaims before it kills. On the tiny pair
+always, on the real pair when its wheels are installed. Skipped, with the reason, where no
+memory cgroup can be created. These runs do not take the suite's models-only budgets
+(``LEVER_TEST_RUNTIME_BYTES``): the runtime measures its own share.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lever_actors.memory import MemoryCgroup, _own_cgroup_paths, cgroup_limit
+
+_names = itertools.count()
+ENV = {k: v for k, v in os.environ.items() if k != "LEVER_TEST_RUNTIME_BYTES"}
+CLI = [sys.executable, "-m", "lever_actors"]
+
+
+def cgroup(limit: int) -> MemoryCgroup:
+    try:
+        return MemoryCgroup(f"lever-test-{os.getpid()}-{next(_names)}", limit)
+    except OSError as e:
+        pytest.skip(f"cannot create a memory cgroup here: {e}")
+
+
+def minimum_budget(target: Path, draft: Path, mode: str) -> int:
+    """The smallest whole-process budget the planner accepts, from its own refusal."""
+    p = subprocess.run(CLI + ["generate", "x", "--target", str(target), "--draft", str(draft), "--mode", mode,
+                              "--dram-budget", "1", "--max-tokens", "1"], env=ENV, capture_output=True, text=True)
+    m = re.search(r"at least ([\d,.]+) MiB", p.stderr)
+    assert p.returncode != 0 and m, p.stderr
+    assert "runtime" in p.stderr  # the refusal counts the runtime's own share
+    return int(float(m.group(1).replace(",", "")) * 2**20) + 2**20
+
+
+def run_generate(cg: MemoryCgroup, target, draft, mode: str, budget: int, tokens: int = 24):
+    return subprocess.run(CLI + ["generate", "def add(a, b):", "--target", str(target), "--draft", str(draft),
+                                 "--mode", mode, "--dram-budget", str(budget), "--max-tokens", str(tokens)],
+                          env=ENV, capture_output=True, text=True, preexec_fn=cg.preexec, timeout=600)
+
+
+def serve_three(cg: MemoryCgroup, target, draft, mode: str, budget: int, tmp: Path) -> list[str]:
+    """A daemon inside ``cg`` answers three requests in a row; returns their texts."""
+    from lever_actors.client import SyncClient
+
+    sock = tmp / f"d{next(_names)}.sock"
+    log = open(tmp / "daemon.log", "w")
+    proc = subprocess.Popen(CLI + ["serve", "--socket", str(sock), "--target", str(target), "--draft", str(draft),
+                                   "--mode", mode, "--dram-budget", str(budget)],
+                            env=ENV, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=cg.preexec)
+    try:
+        deadline = time.monotonic() + 300
+        while not (sock.exists() and sock.with_suffix(".json").exists()):
+            assert proc.poll() is None, (tmp / "daemon.log").read_text()
+            assert time.monotonic() < deadline, "daemon did not start"
+            time.sleep(0.1)
+        texts = []
+        with SyncClient(sock) as client:
+            for i in range(3):
+                texts.append(client.generate(prompt=f"def f{i}(x):", max_tokens=16).text)
+        return texts
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_budget(tiny_bundles) -> int:
+    return minimum_budget(*tiny_bundles, "lever:8") + 8 * 2**20
+
+
+def test_generate_is_never_oom_killed_at_a_limit_equal_to_its_budget(tiny_bundles, tiny_budget):
+    with cgroup(tiny_budget) as cg:
+        p = run_generate(cg, *tiny_bundles, "lever:8", tiny_budget)
+        assert p.returncode == 0, p.stderr
+        assert cg.oom_kills == 0
+
+
+def test_generate_peak_stays_within_its_budget(tiny_bundles, tiny_budget):
+    with cgroup(int(tiny_budget * 1.25)) as cg:
+        p = run_generate(cg, *tiny_bundles, "lever:8", tiny_budget)
+        assert p.returncode == 0, p.stderr
+        assert 0 < cg.peak <= tiny_budget, (cg.peak, tiny_budget)
+
+
+def test_serve_answers_three_requests_inside_its_budget(tiny_bundles, tiny_budget, tmp_path):
+    with cgroup(int(tiny_budget * 1.25)) as cg:
+        texts = serve_three(cg, *tiny_bundles, "flash-chain:3", tiny_budget, tmp_path)
+        assert len(texts) == 3 and all(isinstance(t, str) for t in texts)
+        assert 0 < cg.peak <= tiny_budget and cg.oom_kills == 0, (cg.peak, tiny_budget)
+
+
+def test_auto_budget_reads_the_cgroup_limit(tiny_bundles, tiny_budget):
+    """``--dram-budget auto`` inside a cgroup plans with that cgroup's limit, and says so."""
+    with cgroup(tiny_budget) as cg:
+        p = subprocess.run(CLI + ["generate", "def add(a, b):", "--target", str(tiny_bundles[0]), "--draft",
+                                  str(tiny_bundles[1]), "--mode", "lever:8", "--dram-budget", "auto",
+                                  "--max-tokens", "8", "--json"],
+                           env=ENV, capture_output=True, text=True, preexec_fn=cg.preexec, timeout=600)
+        assert p.returncode == 0, p.stderr
+        assert cg.oom_kills == 0
+    import json
+
+    stats = json.loads(p.stdout)["stats"]
+    assert stats["budget_source"].startswith("auto: cgroup v")
+    assert f"of {tiny_budget / 2**20:,.0f} MiB" in stats["budget"]  # planned with the cgroup's limit
+
+
+def test_cgroup_paths_and_limits_are_read_for_both_versions(tmp_path):
+    assert _own_cgroup_paths("12:memory:/a/b\n0::/c\n") == ("/c", "/a/b")
+    (tmp_path / "memory" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "memory" / "a" / "memory.limit_in_bytes").write_text("1000\n")
+    (tmp_path / "memory" / "a" / "b" / "memory.limit_in_bytes").write_text(str(1 << 62))  # v1's "no limit"
+    assert cgroup_limit(tmp_path, "12:memory:/a/b\n") == (1000, f"cgroup v1 {tmp_path}/memory/a/memory.limit_in_bytes")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "memory.max").write_text("max\n")
+    assert cgroup_limit(tmp_path, "0::/c\n") is None
+    (tmp_path / "c" / "memory.max").write_text("5000\n")
+    assert cgroup_limit(tmp_path, "0::/c\n")[0] == 5000
+
+
+def test_the_real_pair_runs_inside_768_mib(real_bundles, tmp_path):
+    budget = 768 * 2**20
+    with cgroup(budget) as cg:
+        p = run_generate(cg, *real_bundles, "lever", budget, tokens=16)
+        assert cg.oom_kills == 0
+        assert p.returncode == 0 or "cannot run this model pair" in p.stderr, p.stderr
