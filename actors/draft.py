@@ -37,12 +37,22 @@ class Drafter:
         self.m = model
         # the draft's LM head: the whole vocabulary, or a calibrated subset (ids maps its columns to tokens)
         self.head = head if head is not None else FullHead(model)
+        self.threads = model.lane.threads  # its own setting; a request may borrow more
         self.requests_recv, self.out_send = requests_recv, out_send
         self.lanes, self.tracer = lanes, tracer
         # the last draft tree: node i sits in KV slot (prefix length + i) once fed
         self.children: dict[int, dict[int, int]] = {}  # parent node (-1 = root) -> token -> node
         self.fed: list[bool] = []
         self.pending: tuple[int, list[int]] | None = None  # (KV length before, tokens assumed)
+
+    def _use_threads(self, n: int) -> None:
+        """Kernel threads of this draft (native kernels take them per call; ORT sessions keep theirs)."""
+        from dataclasses import replace
+
+        if self.m.lane.threads != n:
+            self.m.lane = replace(self.m.lane, threads=n)
+            if hasattr(self.head, "lane"):
+                self.head.lane = self.m.lane
 
     def reset(self) -> None:
         self.m.kv.truncate(0)
@@ -122,6 +132,7 @@ class Drafter:
         from lever_actors.sampling import SamplingParams, probs_from_logits, rng_for
 
         t0 = time.perf_counter()
+        self._use_threads(req.threads or self.threads)
         if req.reset:
             self.reset()
             self.head.set_prompt(req.committed)

@@ -19,7 +19,7 @@ import trio
 
 from lever_actors.engine import EngineConfig, sampling_from_args
 from lever_actors.tokenizer import load_tokenizer
-from lever_actors.errors import ConfigError
+from lever_actors.errors import BudgetError, ConfigError
 
 
 def humaneval_prompts(spec: str) -> list[tuple[int, str]]:
@@ -135,6 +135,7 @@ def run_bench(args) -> int:
     prompts = file_prompts(args.prompts) if args.prompts else humaneval_prompts(args.humaneval)
     params = sampling_from_args(args)
     results = trio.run(_bench, configs, prompts, params, args)
+    modes = [m for m in modes if m in results["modes"]]  # a sweep drops the budgets a mode cannot run in
     print_table(results, modes)
     check_lossless(results, modes, params)
     if args.json_out:
@@ -199,6 +200,9 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
     from lever_actors.models import resolve_bundle
     from lever_actors.runtime import open_pipeline
 
+    from lever_actors.memory import runtime_baseline
+
+    runtime_baseline()  # before any pipeline loads: each flash mode is planned as if it were alone
     tdir = resolve_bundle(args.target, "target")
     ddir = resolve_bundle(args.draft, "draft") if any(c.drafted for c in configs.values()) else None
     tok = load_tokenizer(tdir)
@@ -209,8 +213,16 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
         pipes = {}
         for m, cfg in configs.items():
             print(f"bench: loading {m} ...", file=sys.stderr, flush=True)
-            pipes[m] = await stack.enter_async_context(
-                open_pipeline(cfg, tdir, ddir if cfg.drafted else None, set(tok.eos_ids)))
+            try:
+                pipes[m] = await stack.enter_async_context(
+                    open_pipeline(cfg, tdir, ddir if cfg.drafted else None, set(tok.eos_ids)))
+            except BudgetError as e:
+                if not getattr(args, "budgets", None):
+                    raise
+                # a sweep reaches budgets some modes cannot run in: say so and go on without them
+                out.setdefault("refused", {})[m] = str(e)
+                print(f"bench: {m} refused: {e}", file=sys.stderr, flush=True)
+                continue
             out["modes"][m] = {"plan": pipes[m].describe(), "prompts": []}
         warm = [p for _, p in prompts[: args.warmup]]
         for text in warm:
@@ -225,7 +237,7 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
                       f"{row['stats'].get('mean_accepted', 1):.2f} tokens/pass", file=sys.stderr, flush=True)
     bw = measure_flash_bandwidth(tdir)
     out["flash_read"] = bw
-    for m in configs:
+    for m in out["modes"]:
         out["modes"][m].update(summarize(out["modes"][m]["prompts"]))
     # The floor's bandwidth is the one the run's own reads reached (the fastest mode's): the one-shot probe
     # reads cold, one 32 MiB request at a time, while the prefetcher keeps several reads in flight, and
@@ -233,7 +245,7 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
     run_bw = [r["run_read_bytes_per_s"] for r in out["modes"].values() if r.get("run_read_bytes_per_s")]
     bw["run_bytes_per_s"] = max(run_bw) if run_bw else None
     floor_bw = bw["run_bytes_per_s"] or bw["bytes_per_s"]
-    for m in configs:
+    for m in out["modes"]:
         r = out["modes"][m]
         r["floor_ms_per_token"] = floor_ms_per_token(r, floor_bw)
         r["vs_floor"] = r["ms_per_token"] / r["floor_ms_per_token"] if r["floor_ms_per_token"] else None

@@ -39,11 +39,28 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "cpu, qnn, nnapi, xnnpack (default cpu)")
 
 
+# every ablation is a flag here and a '+FLAG' mode suffix (engine.MODE_FLAGS), so bench can run them side by side
+ABLATIONS = (
+    ("no-overlap", "do not draft the next tree while the target verifies (cross-step drafting)"),
+    ("fixed-tree", "lever verifies the whole drafted tree instead of the gain/cost plan"),
+    ("no-prune", "lever computes every tree node through every layer (no early-exit pruning)"),
+    ("no-vocab-trim", "lever's draft scores the whole vocabulary instead of its calibrated subset plus the "
+                      "prompt's tokens (see tools/calibrate_draft_vocab.py)"),
+    ("no-adaptive-depth", "lever drafts to its depth cap every pass instead of stopping where another level no "
+                          "longer pays for its drafting time"),
+    ("no-ngram", "lever offers its planner no prompt-lookup branches (what followed the last occurrence of the "
+                 "context's last tokens) beside the drafted tree"),
+    ("no-core-borrow", "a draft that the verification lane waits for runs on the drafting lane's threads alone "
+                       "instead of borrowing the idle verification core"),
+)
+
+
 def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> None:
     g = p.add_argument_group("runtime")
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
-                        "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram (default "
+                        "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
+                        "+no-core-borrow (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",
@@ -52,21 +69,8 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--gamma", type=int, default=None, help="draft chain length of flash-chain (default 8)")
     g.add_argument("--flash-bandwidth", default=None, metavar="RATE",
                    help="cap flash reads to emulate a slower device, e.g. 800MB (bytes per second)")
-    g.add_argument("--no-overlap", action="store_true",
-                   help="ablation: do not draft the next tree while the target verifies (cross-step drafting)")
-    g.add_argument("--fixed-tree", action="store_true",
-                   help="ablation: lever verifies the whole drafted tree instead of the gain/cost plan")
-    g.add_argument("--no-prune", action="store_true",
-                   help="ablation: lever computes every tree node through every layer (no early-exit pruning)")
-    g.add_argument("--no-vocab-trim", action="store_true",
-                   help="ablation: the draft scores the whole vocabulary instead of its calibrated subset plus the "
-                        "prompt's tokens (see tools/calibrate_draft_vocab.py)")
-    g.add_argument("--no-adaptive-depth", action="store_true",
-                   help="ablation: lever drafts to its depth cap every pass instead of stopping where another "
-                        "level no longer pays for its drafting time")
-    g.add_argument("--no-ngram", action="store_true",
-                   help="ablation: lever offers its planner no prompt-lookup branches (what followed the last "
-                        "occurrence of the context's last tokens) beside the drafted tree")
+    for flag, what in ABLATIONS:
+        g.add_argument(f"--{flag}", action="store_true", help=f"ablation: {what}")
     _add_lever_args(g)
 
 

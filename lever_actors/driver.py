@@ -310,11 +310,14 @@ class Pipeline:
     def _draft_limits(self, g: Generation, hidden: bool) -> dict:
         """max_nodes, max_depth and min_path_p of the next draft: fixed for the baselines; for lever the
         gain/cost rule decides how deep drafting pays (hidden behind the pass or waited for)."""
+        # a draft the pass waits for has the verification lane's core idle beside it: borrow it
+        borrow = {} if hidden or not (self.cfg.mode == "lever" and self.cfg.core_borrow) else \
+            {"threads": self.cfg.draft_threads + self.cfg.lane.threads}
         if not (self._planning(g) and self.cfg.adaptive_depth):
-            return {"max_nodes": g.draft_cap, "max_depth": g.max_depth}
+            return {"max_nodes": g.draft_cap, "max_depth": g.max_depth, **borrow}
         depth, min_p = self.lever.draft_limits(hidden, g.max_depth)
         width = -(-g.draft_cap // g.max_depth)  # nodes per level of the configured shape
-        return {"max_nodes": min(g.draft_cap, width * depth), "max_depth": depth, "min_path_p": min_p}
+        return {"max_nodes": min(g.draft_cap, width * depth), "max_depth": depth, "min_path_p": min_p, **borrow}
 
     def _planning(self, g: Generation) -> bool:
         # sampled trees are verified whole: choosing siblings by the tokens drawn would bias
@@ -420,7 +423,10 @@ class Pipeline:
         """The drafter's next expansion; the time waited for it is time the passes stood still."""
         t = time.perf_counter()
         exp = await self._receive(self.draft_recv, g.sid)
-        waited = time.perf_counter() - t
+        end = time.perf_counter()
+        waited = end - t
+        if waited > 1e-4:  # the verification lane stood idle for the drafter: visible in the trace
+            self.tracer.add("draft wait", "wait", t, end)
         g.stats.draft_wait_s += waited
         g.pass_wait_s += waited
         if exp.step > 0:  # (step 0 also digests the prompt)

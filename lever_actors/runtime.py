@@ -142,6 +142,9 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
     ``prune_exits``/``prune_record`` are for calibration: score nodes at these layers and
     append (session, step, layer, node, margin) to ``prune_record``.
     """
+    from lever_actors.memory import runtime_baseline
+
+    runtime_baseline()  # the process before any model loads (measured once; bench opens many pipelines)
     tracer = tracer or Tracer(enabled=True)
     caps = dict(CHANNELS, **(channels or {}))
     tb = load_bundle(target_dir)

@@ -8,7 +8,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
-LANES = {"flash": 1, "build": 2, "npu": 3, "cpu": 4, "accept": 5, "session": 6}
+LANES = {"flash": 1, "build": 2, "npu": 3, "cpu": 4, "accept": 5, "session": 6, "wait": 7}
 
 
 class Tracer:

@@ -137,7 +137,7 @@ class LayerReleased(PipelineMessage):
 class DraftRequest(PipelineMessage):
     """-> Drafter: grow a candidate tree below ``root_token`` at sequence ``position``."""
     KIND: ClassVar[str] = "draft.request"
-    VERSION: ClassVar[int] = 4
+    VERSION: ClassVar[int] = 5
     root_token: int
     position: int        # sequence position of root_token
     max_nodes: int
@@ -163,6 +163,9 @@ class DraftRequest(PipelineMessage):
     # v4: adaptive depth. Stop growing the tree once the most probable path of the last level
     # drawn is below ``min_path_p`` (its next level would not pay for its drafting time)
     min_path_p: float = 0.0
+    # v5: kernel threads for this draft (0 = the drafter's own setting); a draft the verification
+    # lane waits for may borrow its idle core
+    threads: int = 0
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -176,8 +179,12 @@ class DraftRequest(PipelineMessage):
     def upgrade_from_3(body: dict) -> dict:
         return body  # v4 only adds a field with a default
 
+    @staticmethod
+    def upgrade_from_4(body: dict) -> dict:
+        return body  # v5 only adds a field with a default
+
     def _check(self) -> None:
-        _non_negative(self, "root_token", "position", "max_nodes", "max_depth")
+        _non_negative(self, "root_token", "position", "max_nodes", "max_depth", "threads")
         if self.top_k < 1:
             raise ValueError("DraftRequest.top_k must be >= 1")
         if not 0.0 <= self.min_path_p <= 1.0:  # also rejects NaN

@@ -39,7 +39,7 @@ _SAMPLE_LIST: list[Message] = [
     Abort(**_HEADER, reason="client disconnected"),
     DraftRequest(**_HEADER, root_token=151_643, position=128, max_nodes=32, max_depth=6, top_k=4,
                  committed=(262, 151_643), reset=False, temperature=0.75, top_p=0.875, seed=11,
-                 speculative=True, assume=(198, 220), confirmed=True, min_path_p=0.375),
+                 speculative=True, assume=(198, 220), confirmed=True, min_path_p=0.375, threads=2),
     DraftExpansion(
         **_HEADER, root_token=151_643, position=128,
         parents=_i32(-1, -1, 0, 0, 2), tokens=_i32(198, 220, 262, 1_000, 151_645),

@@ -1,6 +1,8 @@
 """The command line: clear errors for bad input, conversion refusals, help that teaches."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -275,3 +277,29 @@ def test_a_budget_sweep_runs_each_flash_mode_at_each_budget_and_compares_within_
     assert modes["lever@1GiB"]["budget"] == "1GiB"
     with pytest.raises(ConfigError, match="--budgets is empty"):
         sweep_modes(["flash-ar"], " , ")
+
+
+def test_every_ablation_is_both_a_flag_and_a_mode_suffix():
+    from lever_actors.cli import ABLATIONS
+    from lever_actors.engine import MODE_FLAGS, EngineConfig
+
+    assert tuple(f for f, _ in ABLATIONS) == MODE_FLAGS
+    for flag in MODE_FLAGS:  # a suffix switches its technique off and shows in the mode's name
+        cfg = EngineConfig().with_mode(f"lever:8+{flag}")
+        assert f"+{flag}" in cfg.mode_string()
+
+
+def test_bench_budget_sweep_runs_what_fits_and_names_what_was_refused(tiny_bundles, tmp_path, capsys):
+    from lever_actors.cli import main
+
+    out = tmp_path / "sweep.json"
+    rc = main(["bench", "--target", str(tiny_bundles[0]), "--draft", str(tiny_bundles[1]), "--modes", "flash-ar,lever:6",
+               "--budgets", "2MiB,24MiB", "--humaneval", "0:1", "--max-tokens", "6", "--context", "400",
+               "--warmup", "0", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert set(data["modes"]) == {"flash-ar@24MiB", "lever:6@24MiB"}
+    assert set(data["refused"]) == {"flash-ar@2MiB", "lever:6@2MiB"}
+    assert all("cannot run this model pair" in why for why in data["refused"].values())
+    assert data["modes"]["lever:6@24MiB"]["speedup_vs_flash_ar"] == pytest.approx(
+        data["modes"]["lever:6@24MiB"]["tokens_per_s"] / data["modes"]["flash-ar@24MiB"]["tokens_per_s"])

@@ -137,3 +137,19 @@ def test_the_real_pair_runs_inside_768_mib(real_bundles, tmp_path):
         p = run_generate(cg, *real_bundles, "lever", budget, tokens=16)
         assert cg.oom_kills == 0
         assert p.returncode == 0 or "cannot run this model pair" in p.stderr, p.stderr
+
+
+def test_bench_measures_the_runtime_once_before_any_pipeline_loads(tiny_bundles, tiny_budget, tmp_path):
+    """resident-ar loads the whole target first; the flash modes after it are still planned as if
+    alone (their runtime share is the process before any model, not after resident-ar's)."""
+    import json
+
+    out = tmp_path / "b.json"
+    p = subprocess.run(CLI + ["bench", "--target", str(tiny_bundles[0]), "--draft", str(tiny_bundles[1]),
+                              "--modes", "resident-ar,flash-ar,lever:8", "--dram-budget", str(tiny_budget),
+                              "--humaneval", "0:1", "--max-tokens", "4", "--warmup", "0", "--json", str(out)],
+                       env=ENV, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    plans = {m: r["plan"]["budget"] for m, r in json.loads(out.read_text())["modes"].items()}
+    runtime = {m: re.search(r"runtime ([\d.,]+ MiB)", b).group(1) for m, b in plans.items() if m != "resident-ar"}
+    assert len(set(runtime.values())) == 1, runtime

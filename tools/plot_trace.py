@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 
-LANE_ORDER = ["flash", "build", "npu", "cpu", "accept", "session"]
+LANE_ORDER = ["flash", "build", "npu", "cpu", "accept", "wait", "session"]
 COLORS = {"flash": "#1f77b4", "build": "#ff7f0e", "npu": "#2ca02c", "cpu": "#d62728", "accept": "#9467bd",
-          "session": "#7f7f7f"}
+          "session": "#7f7f7f", "wait": "#000000"}
 
 
 def main() -> None:
