@@ -39,7 +39,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "cpu, qnn, nnapi, xnnpack (default cpu)")
 
 
-# every ablation is a flag here and a '+FLAG' mode suffix (engine.MODE_FLAGS), so bench can run them side by side
+# every ablation (and the opt-in) is a flag here and a '+FLAG' mode suffix (engine.MODE_FLAGS), so bench can run them side by side
 ABLATIONS = (
     ("no-overlap", "do not draft the next tree while the target verifies (cross-step drafting)"),
     ("fixed-tree", "lever verifies the whole drafted tree instead of the gain/cost plan"),
@@ -50,8 +50,8 @@ ABLATIONS = (
                           "longer pays for its drafting time"),
     ("no-ngram", "lever offers its planner no prompt-lookup branches (what followed the last occurrence of the "
                  "context's last tokens) beside the drafted tree"),
-    ("no-core-borrow", "a draft that the verification lane waits for runs on the drafting lane's threads alone "
-                       "instead of borrowing the idle verification core"),
+    ("core-borrow", "lever's drafts that the verification lane waits for also use its idle threads (measured: "
+                    "no gain, so off by default)"),
 )
 
 
@@ -60,7 +60,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
-                        "+no-core-borrow (default "
+                        "+core-borrow (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",
@@ -70,7 +70,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--flash-bandwidth", default=None, metavar="RATE",
                    help="cap flash reads to emulate a slower device, e.g. 800MB (bytes per second)")
     for flag, what in ABLATIONS:
-        g.add_argument(f"--{flag}", action="store_true", help=f"ablation: {what}")
+        g.add_argument(f"--{flag}", action="store_true", help=("ablation: " if flag.startswith("no-") else "") + what)
     _add_lever_args(g)
 
 

@@ -60,9 +60,10 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 
 # ablations: no cross-step drafting; lever without its planner; lever without early-exit pruning; the
 # draft's full LM head instead of its calibrated vocabulary subset; lever drafting to its depth cap every time;
-# lever without free prompt-lookup branches; lever's waited-for drafts on the drafting lane's threads alone
+# lever without free prompt-lookup branches; and one opt-in that did not pay (README): lever's waited-for
+# drafts also on the verification lane's idle threads
 MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
-              "no-core-borrow")
+              "core-borrow")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -118,7 +119,7 @@ class EngineConfig:
     vocab_trim: bool = True  # the draft's head scores its calibrated vocabulary subset (+ the prompt's tokens)
     adaptive_depth: bool = True  # lever: the gain/cost rule also decides how deep to draft
     ngram: bool = True  # lever: prompt-lookup branches offered to the planner beside the draft's tree
-    core_borrow: bool = True  # lever: a draft the verification lane waits for also uses that lane's threads
+    core_borrow: bool = False  # lever: a draft the verification lane waits for also uses that lane's threads
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
@@ -134,7 +135,7 @@ class EngineConfig:
                        vocab_trim=self.vocab_trim and "no-vocab-trim" not in flags,
                        adaptive_depth=self.adaptive_depth and "no-adaptive-depth" not in flags,
                        ngram=self.ngram and "no-ngram" not in flags,
-                       core_borrow=self.core_borrow and "no-core-borrow" not in flags, dram_budget=budget,
+                       core_borrow=self.core_borrow or "core-borrow" in flags, dram_budget=budget,
                        budget_source=source)
 
     @classmethod
@@ -161,7 +162,7 @@ class EngineConfig:
             buckets=_buckets(getattr(args, "buckets", None)), draft_threads=getattr(args, "draft_threads", 1),
             vocab_trim=not getattr(args, "no_vocab_trim", False),
             adaptive_depth=not getattr(args, "no_adaptive_depth", False), ngram=not getattr(args, "no_ngram", False),
-            core_borrow=not getattr(args, "no_core_borrow", False),
+            core_borrow=getattr(args, "core_borrow", False),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
     def mode_string(self) -> str:
@@ -178,8 +179,8 @@ class EngineConfig:
             text += "+no-adaptive-depth"
         if self.mode == "lever" and not self.ngram:
             text += "+no-ngram"
-        if self.mode == "lever" and not self.core_borrow:
-            text += "+no-core-borrow"
+        if self.mode == "lever" and self.core_borrow:
+            text += "+core-borrow"
         return text
 
     @property

@@ -75,7 +75,7 @@ def test_the_baselines_keep_the_full_head(tiny_bundles, trimmed_draft):
     assert drafter.head.ids is None and plan["draft_vocab"].startswith("full (the baselines")
 
 
-@pytest.mark.parametrize("mode", ["lever:12", "lever:5+no-adaptive-depth", "lever:8+fixed-tree"])
+@pytest.mark.parametrize("mode", ["lever:12", "lever:5+no-adaptive-depth", "lever:8+fixed-tree", "lever:8+core-borrow"])
 def test_greedy_speculation_with_a_subset_head_equals_resident_ar(tiny_bundles, trimmed_draft, mode):
     target = tiny_bundles[0]
     ids = load_tokenizer(target).encode(PROMPT)
