@@ -32,6 +32,10 @@ TREE_TOP_K = 3  # children scored per node by the tree modes
 TREE_WIDTH = 4  # nodes per tree level: with this pair's sharp draft, budget is best spent on depth
 TREE_MAX_DEPTH = 16
 NGRAM_BRANCH = 8  # tokens of a prompt-lookup branch offered to the planner
+# sampled lever's depth rule (timing-free): at most this deep, and a level only while its best
+# drawn path keeps this much draft probability (like a chain of 8, shorter when the draft hesitates)
+SAMPLED_MAX_DEPTH = 8
+SAMPLED_MIN_PATH_P = 0.2
 
 
 @dataclass
@@ -313,10 +317,17 @@ class Pipeline:
         # a draft the pass waits for has the verification lane's core idle beside it: borrow it
         borrow = {} if hidden or not (self.cfg.mode == "lever" and self.cfg.core_borrow) else \
             {"threads": self.cfg.draft_threads + self.cfg.lane.threads}
+        width = -(-g.draft_cap // g.max_depth)  # nodes per level of the configured shape
+        if self.cfg.mode == "lever" and self.cfg.adaptive_depth and not g.params.greedy:
+            # sampled: a rule on the draft's own probabilities only, never on timings, so that a
+            # seeded run draws the same tree shapes every time (truncating whole levels by the
+            # draft's path probability leaves rejection sampling at every kept node exact)
+            depth = min(g.max_depth, SAMPLED_MAX_DEPTH)
+            return {"max_nodes": min(g.draft_cap, width * depth), "max_depth": depth,
+                    "min_path_p": SAMPLED_MIN_PATH_P, **borrow}
         if not (self._planning(g) and self.cfg.adaptive_depth):
             return {"max_nodes": g.draft_cap, "max_depth": g.max_depth, **borrow}
         depth, min_p = self.lever.draft_limits(hidden, g.max_depth)
-        width = -(-g.draft_cap // g.max_depth)  # nodes per level of the configured shape
         return {"max_nodes": min(g.draft_cap, width * depth), "max_depth": depth, "min_path_p": min_p, **borrow}
 
     def _planning(self, g: Generation) -> bool:
