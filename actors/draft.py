@@ -158,7 +158,6 @@ class Drafter:
             if hidden is None:
                 raise RuntimeError("draft request commits nothing new: the root must be newly committed")
             frontier, rows = [-1], hidden  # nodes whose children we can score now, and their hidden rows
-            ids = self.head.ids  # column -> token (None: the columns are the tokens)
             for depth in range(req.max_depth):
                 logits = self.head.logits(rows)
                 cands = []
@@ -173,7 +172,7 @@ class Drafter:
                         children = self._children(p, req.top_k, params, req.step, node)
                     base_p = path_p[node] if node >= 0 else 1.0
                     for col in children:
-                        tok = int(col) if ids is None else int(ids[col])
+                        tok = self._token(col)
                         cands.append((base_p * float(p[col]), node, tok, float(p[col])))
                 cands.sort(key=lambda c: -c[0])
                 # a level holds at most max_nodes/max_depth nodes, so the budget buys depth
@@ -215,10 +214,11 @@ class Drafter:
         )
 
     def _token(self, col: int) -> int:
-        return col if self.head.ids is None else int(self.head.ids[col])
+        """The token of one of the head's columns (the subset head's columns are its ``ids``)."""
+        return int(col) if self.head.ids is None else int(self.head.ids[col])
 
     def _tokens(self, cols: list[int]) -> list[int]:
-        return cols if self.head.ids is None else [int(self.head.ids[c]) for c in cols]
+        return [self._token(c) for c in cols]
 
     def _full_distribution(self, p: np.ndarray) -> np.ndarray:
         """The distribution the children were drawn from, over the whole vocabulary (zero off the subset)."""

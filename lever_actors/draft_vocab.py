@@ -133,13 +133,18 @@ class SubsetHead:
             self.extra, self.ids = None, self.base_ids
             return
         rows = np.empty((len(extra), self.row_bytes), np.uint8)
-        for i, tok in enumerate(extra):
-            lo, path, off = max((r for r in self._row_at if r[0] <= tok), key=lambda r: r[0])
-            fd = os.open(path, os.O_RDONLY)
-            try:
+        firsts = np.asarray([r[0] for r in self._row_at])
+        fds: dict[str, int] = {}
+        try:
+            for i, tok in enumerate(extra):
+                lo, path, off = self._row_at[int(np.searchsorted(firsts, tok, side="right")) - 1]
+                fd = fds.get(path)
+                if fd is None:
+                    fd = fds[path] = os.open(path, os.O_RDONLY)
                 if os.preadv(fd, [rows[i]], off + (int(tok) - lo) * self.row_bytes) != self.row_bytes:
                     raise OSError(f"short read of head row {tok} in {path}")
-            finally:
+        finally:
+            for fd in fds.values():
                 os.close(fd)
         self.extra_bytes_read += rows.nbytes
         self.extra = kernels.NativeMatrix(self.qtype, self.k, len(extra), rows)

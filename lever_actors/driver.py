@@ -141,6 +141,14 @@ class Tree:
 EMPTY_TREE = Tree([], [-1], np.zeros(0, np.float32))
 
 
+def expansion_depth(exp) -> int:
+    """Levels of a DraftExpansion's tree (its parents number the root -1): the draft calls it took."""
+    depth: list[int] = []
+    for p in exp.parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth, default=0)
+
+
 @dataclass
 class Generation:
     """The state of one generation that the driver's steps share."""
@@ -308,7 +316,7 @@ class Pipeline:
         exp = await self._receive_draft(g)
         g.stats.draft_s += exp.draft_s
         tree = Tree.from_expansion(exp, ahead=False)
-        self.lever.pace.observe_draft(exp.draft_s, int(tree.depths().max(initial=0)) + 1)  # + feeding the commit
+        self.lever.pace.observe_draft(exp.draft_s, expansion_depth(exp) + 1)  # + feeding the commit
         return tree
 
     def _draft_limits(self, g: Generation, hidden: bool) -> dict:
@@ -405,8 +413,7 @@ class Pipeline:
         """Collect the tree drafted ahead (if one is in flight) and see whether its assumption held."""
         exp = await self._receive_draft(g) if g.spec.assumed is not None else None
         if exp is not None:  # it also fed the assumed path and its root
-            depth = int(Tree.from_expansion(exp, ahead=True).depths().max(initial=0))
-            self.lever.pace.observe_draft(exp.draft_s, depth + 2)
+            self.lever.pace.observe_draft(exp.draft_s, expansion_depth(exp) + 2)
         self._settle_assumption(g, commit, exp)
 
     def _settle_assumption(self, g: Generation, commit, exp) -> None:

@@ -37,13 +37,9 @@ def parse_size(text: str | None) -> int | None:
 DEFAULT_FLASH_BUDGET = "1GiB"
 
 
-def default_budget(mode: str, text: str | None) -> int | None:
-    """The flash modes default to a phone-like 1 GiB; resident-ar needs no budget."""
-    return budget_with_source(mode, text)[0]
-
-
 def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
-    """(bytes or None, where the number came from) of a ``--dram-budget`` value; 'auto' reads the
+    """(bytes or None, where the number came from) of a ``--dram-budget`` value. The flash modes default
+    to a phone-like 1 GiB and resident-ar needs no budget; 'auto' reads the
     enclosing cgroup's memory limit, else a share of MemAvailable (``lever_actors.memory``)."""
     if text is None:
         if mode == "resident-ar":

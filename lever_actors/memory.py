@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 from pathlib import Path
 
@@ -49,16 +50,21 @@ def runtime_baseline() -> int:
     return _baseline
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs a subprocess), or None."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
 def release_memory() -> None:
     """Hand freed heap back to the OS (glibc keeps freed arenas otherwise)."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _own_cgroup_paths(proc_cgroup: str) -> tuple[str | None, str | None]:

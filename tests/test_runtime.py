@@ -334,3 +334,12 @@ def test_lever_with_prompt_lookup_branches_is_lossless(tiny_bundles, unrelated_d
     assert pipe.lever.ngram_calibration.seen.sum() > 0  # and its acceptance recorded on its own
     off = trio.run(generate, cfg.with_mode("lever:12+no-ngram"), target, draft, ids)
     assert off[0] == ref and off[1]["ngram_n"] == 0
+
+
+def test_expansion_depth_counts_the_levels_drafted():
+    from types import SimpleNamespace
+
+    from lever_actors.driver import expansion_depth
+
+    assert expansion_depth(SimpleNamespace(parents=[])) == 0
+    assert expansion_depth(SimpleNamespace(parents=[-1, -1, 0, 2, 1])) == 3  # root -> 0 -> 2 -> 3
