@@ -125,11 +125,11 @@ def main(argv=None) -> int:
     vocab = bundle.dims["vocab_size"]
     if not 256 <= args.size <= vocab:
         raise SystemExit(f"--size must lie in 256..{vocab}, got {args.size}")
+    gen = generated_sequences(args.generated)  # refuses held-out or unreadable files before any work
     tok = load_tokenizer(bdir)
     print("tokenizing development text ...", file=sys.stderr, flush=True)
     he = [tok.encode(t) for t in humaneval_texts()]
     lib = [tok.encode(t) for t in stdlib_texts(int(args.stdlib_mb * 1e6))]
-    gen = generated_sequences(args.generated)
     special = list(range(bundle.manifest["tokenizer"]["spec"]["bos_id"], vocab))  # end of text, chat markers, ...
     order = rank(gen, he + lib, args.generated_weight, vocab)
     ids = choose(order, args.size, special)
