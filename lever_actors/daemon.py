@@ -41,6 +41,7 @@ from lever_actors.backend import Backend, GenerateParams
 from lever_actors.client import default_socket_path
 from lever_actors.daemon_files import SocketFiles
 from lever_actors.errors import ConfigError, ContextOverflow, DaemonAlreadyRunning, LeverError
+from lever_actors.http_front import HttpConfig, HttpFront, parse_address
 from protocols import rpc
 from protocols.rpc import ErrorCode, RpcError
 
@@ -50,7 +51,7 @@ _OUTBOUND_DEPTH = 64        # packed messages waiting for one connection's write
 _RECEIVE_CHUNK = 65536
 _FINISHED_KEPT = 256        # finished requests per connection kept for `stats`
 _MAX_CONTAINER_LEN = 65536  # array/map entries; msgpack preallocates per header
-_ADDITIVE_STATS = ("draft_n", "draft_n_accepted", "passes", "flash_bytes_read",
+_ADDITIVE_STATS = ("draft_n", "draft_n_accepted", "passes", "flash_bytes_read", "pass_s",
                    "io_s", "compute_s", "n_tokens")
 
 
@@ -63,6 +64,7 @@ class ServeConfig:
     max_connections: int = 64
     stall_timeout_s: float = 30.0
     shutdown_grace_s: float = 2.0
+    http: HttpConfig | None = None  # the OpenAI-compatible HTTP face, when asked for
 
 
 def _plain(obj: Any) -> Any:
@@ -79,7 +81,14 @@ def _pack(message: Any) -> bytes:
 # --- engine: one generation at a time ---------------------------------------------
 
 class Job:
-    """One admitted generate request, from queue to response."""
+    """One admitted generate request, from queue to response.
+
+    ``conn`` is whoever asked: a msgpack-RPC :class:`Connection` or one HTTP exchange
+    (``lever_actors.http_front``). The engine needs four things of it: ``id`` (for logs), the
+    ``jobs`` and ``finished`` maps, and ``deliver_tokens``/``deliver_end``, which put the job's
+    chunks and end on that client's wire. ``deliver_tokens`` raises ``trio.BrokenResourceError``
+    or ``trio.ClosedResourceError`` when the client is gone, which cancels the job.
+    """
 
     def __init__(self, conn: Connection, request_id: int, params: GenerateParams,
                  prompt_tokens: int):
@@ -159,9 +168,8 @@ class Engine:
         ids = [int(t) for t in token_ids]
         if not text and not ids:
             return
-        data = _pack(rpc.token_notification(job.request_id, text, ids))
         try:
-            await job.conn.out_send.send(data)
+            await job.conn.deliver_tokens(job, text, ids)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             job.scope.cancel()
             await trio.lowlevel.checkpoint()  # raises Cancelled into the backend
@@ -179,13 +187,12 @@ class Engine:
             with job.scope:
                 outcome = await self.daemon.backend.generate(job.params, partial(self._emit, job))
         except ContextOverflow as exc:
-            error = rpc.error_response(job.request_id, ErrorCode.CONTEXT_OVERFLOW, str(exc))
+            error = (ErrorCode.CONTEXT_OVERFLOW, str(exc))
         except ConfigError as exc:  # e.g. a mode parameter the backend does not accept
-            error = rpc.error_response(job.request_id, ErrorCode.INVALID_PARAMS, str(exc))
+            error = (ErrorCode.INVALID_PARAMS, str(exc))
         except Exception as exc:  # the session boundary: this request fails, the daemon goes on
             log.exception("generate failed conn=%d request_id=%d", job.conn.id, job.request_id)
-            error = rpc.error_response(job.request_id, ErrorCode.INTERNAL,
-                                       f"generation failed: {type(exc).__name__}: {exc}")
+            error = (ErrorCode.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
         finally:
             self.running = None
         if error is not None:
@@ -200,8 +207,7 @@ class Engine:
         job.finished_at = trio.current_time()
         self.daemon.record_finished(job)
         if not job.abandoned:
-            await job.conn.send(error if error is not None
-                                else rpc.result_response(job.request_id, job.result()))
+            await job.conn.deliver_end(job, error)
 
 
 # --- connections ------------------------------------------------------------------
@@ -239,19 +245,22 @@ class Connection:
 
     def _abandon_jobs(self) -> None:
         for job in list(self.jobs.values()):
-            job.abandoned = True
-            if not self.daemon.engine.withdraw(job):
-                job.scope.cancel()
             if self._stopping:
                 try:
                     self.out_send.send_nowait(_pack(rpc.error_response(
                         job.request_id, ErrorCode.CANCELLED, "the daemon is shutting down")))
                 except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
-            if job.state == "queued":
-                job.state, job.finish_reason = "cancelled", "cancelled"
-                job.finished_at = trio.current_time()
-                self.daemon.record_finished(job)
+            self.daemon.abandon(job)
+
+    async def deliver_tokens(self, job: Job, text: str, token_ids: list[int]) -> None:
+        """The engine's chunk of ``job``: a token notification (raises if the client is gone)."""
+        await self.out_send.send(_pack(rpc.token_notification(job.request_id, text, token_ids)))
+
+    async def deliver_end(self, job: Job, error: tuple[ErrorCode, str] | None) -> None:
+        """The engine is done with ``job``: its result, or the error that ended it."""
+        await self.send(rpc.error_response(job.request_id, *error) if error is not None
+                        else rpc.result_response(job.request_id, job.result()))
 
     async def send(self, message: Any) -> None:
         """Queue one message for the writer; drop it if the connection is gone."""
@@ -395,19 +404,7 @@ class Connection:
         if msgid in self.jobs:
             raise RpcError(ErrorCode.INVALID_REQUEST,
                            f"msgid {msgid} is already in flight on this connection", msgid)
-        if daemon.stopping:
-            raise RpcError(ErrorCode.CANCELLED, "the daemon is shutting down", msgid)
-        n_prompt = daemon.backend.count_prompt_tokens(params)
-        if n_prompt + params.max_tokens > daemon.context_length:
-            raise RpcError(ErrorCode.CONTEXT_OVERFLOW,
-                           f"the prompt is {n_prompt} tokens and max_tokens is {params.max_tokens}, "
-                           f"together more than context_length {daemon.context_length}", msgid)
-        job = Job(self, msgid, params, n_prompt)
-        if not daemon.engine.submit(job):
-            raise RpcError(ErrorCode.BUSY, f"{daemon.config.queue_depth} requests already wait "
-                           f"in the queue; retry later", msgid)
-        self.jobs[msgid] = job
-        daemon.counters["accepted"] += 1
+        daemon.admit(self, msgid, params)
         return None
 
     async def _cancel(self, request: rpc.Request) -> dict:
@@ -459,6 +456,7 @@ class Daemon:
              "tokens_generated", "protocol_errors", "internal_errors", "connections_total"), 0)
         self.backend_totals = dict.fromkeys(_ADDITIVE_STATS, 0)
         self.stopping = False
+        self.http: HttpFront | None = None
         self._started = trio.current_time()
         self._stop = trio.Event()
         self._idle = trio.Event()
@@ -468,6 +466,38 @@ class Daemon:
         """Begin a graceful shutdown (what SIGINT/SIGTERM do)."""
         self.stopping = True
         self._stop.set()
+
+    def admit(self, owner: Any, request_id: int, params: GenerateParams) -> Job:
+        """Queue a generation for ``owner`` (see :class:`Job`) and return its job.
+
+        Raises:
+            RpcError: ``cancelled`` while shutting down, ``context_overflow`` with both token
+                counts, ``busy`` when the queue is full.
+        """
+        if self.stopping:
+            raise RpcError(ErrorCode.CANCELLED, "the daemon is shutting down", request_id)
+        n_prompt = self.backend.count_prompt_tokens(params)
+        if n_prompt + params.max_tokens > self.context_length:
+            raise RpcError(ErrorCode.CONTEXT_OVERFLOW,
+                           f"the prompt is {n_prompt} tokens and max_tokens is {params.max_tokens}, "
+                           f"together more than context_length {self.context_length}", request_id)
+        job = Job(owner, request_id, params, n_prompt)
+        if not self.engine.submit(job):
+            raise RpcError(ErrorCode.BUSY, f"{self.config.queue_depth} requests already wait "
+                           f"in the queue; retry later", request_id)
+        owner.jobs[request_id] = job
+        self.counters["accepted"] += 1
+        return job
+
+    def abandon(self, job: Job) -> None:
+        """Its client is gone: withdraw ``job`` if queued, else cancel it; send it nothing more."""
+        job.abandoned = True
+        if not self.engine.withdraw(job):
+            job.scope.cancel()
+        if job.state == "queued":
+            job.state, job.finish_reason = "cancelled", "cancelled"
+            job.finished_at = trio.current_time()
+            self.record_finished(job)
 
     def record_finished(self, job: Job) -> None:
         job.conn.jobs.pop(job.request_id, None)
@@ -521,6 +551,7 @@ class Daemon:
                 "capabilities": list(rpc.CAPABILITIES),
                 "models": self.description.get("models", {}),
                 "mode": self.description.get("mode"), "modes": list(self.modes),
+                "http": "%s:%d" % self.http.address if self.http is not None else None,
                 "limits": {"max_message_bytes": c.max_message_bytes, "queue_depth": c.queue_depth,
                            "max_tokens": c.max_tokens, "context_length": self.context_length,
                            "max_connections": c.max_connections,
@@ -569,13 +600,19 @@ async def serve(config: ServeConfig, backend: Backend, *, files: SocketFiles | N
         files.acquire()
     try:
         async with trio.open_nursery() as nursery:
+            front = None
+            if config.http is not None:  # up first, so /health can say "loading" meanwhile
+                front = await nursery.start(HttpFront(config.http).serve)
             if callable(getattr(backend, "run", None)):
                 await nursery.start(backend.run)  # the backend's own tasks, for the daemon's life
             daemon = Daemon(config, backend)
+            daemon.http = front
             listener = files.open_listener()
             nursery.start_soon(daemon.engine.run)
             await nursery.start(daemon.accept, listener, nursery)
-            files.write_status()
+            if front is not None:
+                front.daemon = daemon
+            files.write_status({"http": "%s:%d" % front.address} if front is not None else None)
             log.info("listening socket=%s pid=%d queue_depth=%d", files.socket, os.getpid(),
                      config.queue_depth)
             task_status.started(daemon)
@@ -583,6 +620,8 @@ async def serve(config: ServeConfig, backend: Backend, *, files: SocketFiles | N
             log.info("shutting down: %d connection(s), %d queued", len(daemon.connections),
                      len(daemon.engine.waiting))
             daemon.accept_scope.cancel()
+            if front is not None:
+                front.stop()
             for conn in list(daemon.connections):
                 conn.stop()
             if daemon.connections:
@@ -616,6 +655,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="daemon log level on stderr (default: %(default)s)")
+    h = HttpConfig()
+    web = parser.add_argument_group("HTTP (OpenAI-compatible API, off unless --http is given)")
+    web.add_argument("--http", metavar="HOST:PORT", default=None,
+                     help="also serve /v1/completions, /v1/chat/completions, /v1/models, /health "
+                          "and /metrics on HOST:PORT, e.g. 127.0.0.1:8080 (a bare port binds "
+                          "loopback only; 0 picks a free port, written to the status file)")
+    web.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health "
+                          "(default: $LEVER_API_KEY, else no key)")
+    web.add_argument("--cors-origin", default=None,
+                     help="allow browser pages from this origin ('*' = any); CORS is off without it")
+    web.add_argument("--max-body-bytes", type=int, default=h.max_body_bytes,
+                     help="largest request body, refused with 413 before it is read (default: %(default)s)")
+    web.add_argument("--request-timeout", type=float, default=h.request_timeout_s,
+                     help="seconds a request's head and body may take to arrive (default: %(default)s)")
     # Hidden: MODULE:FACTORY building the backend instead of make_backend (tests).
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)
 
@@ -636,7 +690,29 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(socket=Path(args.socket) if args.socket else default_socket_path(),
                        queue_depth=args.queue_depth, max_message_bytes=args.max_message_bytes,
                        max_tokens=args.max_tokens_limit, max_connections=args.max_connections,
-                       stall_timeout_s=args.stall_timeout)
+                       stall_timeout_s=args.stall_timeout, http=http_config_from_args(args))
+
+
+def http_config_from_args(args: argparse.Namespace) -> HttpConfig | None:
+    """The HTTP face's config, or None without ``--http``.
+
+    Raises:
+        ConfigError: a bad address, body limit or timeout (the message names the option).
+    """
+    if not getattr(args, "http", None):
+        return None
+    try:
+        host, port = parse_address(args.http)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.max_body_bytes < 64:
+        raise ConfigError(f"--max-body-bytes must be at least 64, got {args.max_body_bytes}")
+    if not args.request_timeout > 0:
+        raise ConfigError(f"--request-timeout must be positive, got {args.request_timeout}")
+    key = args.api_key if args.api_key is not None else os.environ.get("LEVER_API_KEY") or None
+    return HttpConfig(host=host, port=port, api_key=key, cors_origin=args.cors_origin,
+                      max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout,
+                      keepalive_timeout_s=args.stall_timeout, max_connections=args.max_connections)
 
 
 def load_backend_factory(spec: str) -> Callable[[argparse.Namespace], Backend]:

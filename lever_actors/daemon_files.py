@@ -103,11 +103,12 @@ class SocketFiles:
             log.warning("removing stale status file %s", self.status)
             os.unlink(self.status)
 
-    def write_status(self) -> None:
-        """Write the status file atomically (temporary file, then rename)."""
+    def write_status(self, extra: dict | None = None) -> None:
+        """Write the status file atomically (temporary file, then rename); ``extra`` adds fields."""
         body = {"pid": os.getpid(), "socket": os.fspath(self.socket),
                 "protocol": list(rpc.PROTOCOL_VERSION), "version": __version__,
-                "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+                "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                **(extra or {})}
         tmp = self.status.with_name(f".{self.status.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -8,6 +8,7 @@ import trio
 from lever_actors.backend import GenerateOutcome, GenerateParams
 from lever_actors.errors import ConfigError
 from lever_actors.sampling import SamplingParams
+from lever_actors.stops import StopScanner
 
 
 class EngineBackend:
@@ -72,33 +73,29 @@ class EngineBackend:
         sampling = SamplingParams(params.temperature, params.top_p, params.seed or 0)
         dec = self.tok.incremental_decoder()
         eos = set(self.tok.eos_ids)
+        stops = StopScanner(params.stop)
         text_parts: list[str] = []
         emitted: list[int] = []
-        state = {"stop": False}
 
         async def on_tokens(toks: list[int]) -> bool:
-            if state["stop"]:
+            if stops.stopped:
                 return True
-            piece = "".join(dec.feed(t) for t in toks if t not in eos)
-            so_far = "".join(text_parts) + piece
-            hit = min((so_far.find(s) for s in params.stop if s and s in so_far), default=-1)
-            if hit >= 0:
-                piece = so_far[:hit][len("".join(text_parts)):]
-                state["stop"] = True
+            piece = stops.feed("".join(dec.feed(t) for t in toks if t not in eos))
             text_parts.append(piece)
             emitted.extend(toks)
             await emit(piece, list(toks))
-            return state["stop"]
+            return stops.stopped
 
         t0 = time.perf_counter()
         _, finish, stats = await self.pipe.generate(ids, params.max_tokens, sampling, on_tokens)
-        if state["stop"]:
-            finish = "stop"
-        else:
-            tail = dec.flush()
+        if not stops.stopped:
+            tail = stops.feed(dec.flush())
+            tail += stops.flush()
             if tail:
                 text_parts.append(tail)
                 await emit(tail, [])
+        if stops.stopped:
+            finish = "stop"
         stats = dict(stats, elapsed_s=time.perf_counter() - t0, prompt_tokens=len(ids))
         return GenerateOutcome("".join(text_parts), list(emitted), finish, stats)
 

@@ -57,9 +57,11 @@ Methods
     Optional handshake. A different major ``protocol`` is ``invalid_params``.
     Result: ``{"protocol": [1, 0], "server": "lever-actors", "version": str,
     "pid": int, "methods": [str], "capabilities": [str], "models": map,
-    "mode": str, "modes": [str], "limits": {"max_message_bytes": int,
-    "queue_depth": int, "max_tokens": int, "context_length": int,
-    "max_connections": int, "stall_timeout_s": float}}``.
+    "mode": str, "modes": [str], "http": "HOST:PORT" | nil, "limits":
+    {"max_message_bytes": int, "queue_depth": int, "max_tokens": int,
+    "context_length": int, "max_connections": int, "stall_timeout_s": float}}``.
+    ``http`` is where the same daemon serves the OpenAI-compatible HTTP API
+    (``protocols/openai_http.py``), nil when it does not.
 
 ``generate`` {prompt?: str, messages?: [{role: str, content: str}],
 max_tokens?: int = 128, temperature?: float = 0.0, top_p?: float = 1.0,

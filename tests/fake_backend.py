@@ -142,10 +142,25 @@ class FakeBackend:
             self.pool.release()
 
 
+class SlowLoadingFakeBackend(FakeBackend):
+    """A FakeBackend whose ``run`` takes ``load_s`` to "load the models" before it is ready."""
+
+    def __init__(self, load_s: float, **kw: Any):
+        super().__init__(**kw)
+        self.load_s = load_s
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await trio.sleep(self.load_s)
+        task_status.started()
+        await trio.sleep_forever()
+
+
 def make_backend(args: Any) -> FakeBackend:
     """Factory for ``--backend fake_backend:make_backend`` in a daemon process."""
-    return FakeBackend(delay_s=float(os.environ.get("LEVER_FAKE_DELAY_S", "0.005")),
-                       context_length=int(os.environ.get("LEVER_FAKE_CONTEXT", "8192")))
+    kw = dict(delay_s=float(os.environ.get("LEVER_FAKE_DELAY_S", "0.005")),
+              context_length=int(os.environ.get("LEVER_FAKE_CONTEXT", "8192")))
+    load_s = float(os.environ.get("LEVER_FAKE_LOAD_S", "0"))
+    return SlowLoadingFakeBackend(load_s, **kw) if load_s else FakeBackend(**kw)
 
 
 def params(prompt: str = "def add(a, b):", **kw: Any) -> GenerateParams:
