@@ -17,6 +17,7 @@ examples:
   lever-actors generate --mode flash-chain:8 --dram-budget 1GiB - < prompt.py
   lever-actors bench --modes flash-ar,flash-chain:8 --humaneval 0:4 --max-tokens 64
   lever-actors serve &  lever-actors generate --socket auto 'def add(a, b):'
+  lever-actors serve --http 127.0.0.1:8080 --mode lever   # then any OpenAI client at /v1
 """
 
 
@@ -156,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     b.set_defaults(max_tokens=64)
 
-    s = sub.add_parser("serve", help="run the daemon in the foreground (msgpack-RPC over a Unix socket)")
+    s = sub.add_parser("serve", help="run the daemon in the foreground (msgpack-RPC over a Unix socket; "
+                                         "--http HOST:PORT adds the OpenAI-compatible HTTP API)")
     try:
         from lever_actors.daemon import add_serve_arguments
         add_serve_arguments(s)
