@@ -58,4 +58,5 @@ class Acceptor:
                     session_id=done.session_id, step=done.step, epoch=done.epoch, n_nodes=len(done.tokens),
                     n_accepted=len(tokens) - 1, n_pruned=len(pruned), io_s=done.io_wait_s, compute_s=done.compute_s,
                     draft_s=0.0, pass_s=0.0, bytes_read=done.bytes_read, n_pruned_wrong=wrong,
-                    n_dropped=len(done.tokens) - len(done.node_ids) if done.pruned is not None else 0))
+                    n_dropped=len(done.tokens) - len(done.node_ids) if done.pruned is not None else 0,
+                    cache_n=done.cache_n))

@@ -54,9 +54,13 @@ class Drafter:
             if hasattr(self.head, "lane"):
                 self.head.lane = self.m.lane
 
-    def reset(self) -> None:
-        self.m.kv.truncate(0)
+    def reset(self, sequence: list[int] | None = None) -> int:
+        """Start a new sequence; with ``sequence``, keep the rows of the prefix it shares with
+        the committed rows (prompt caching). Returns how many rows were kept."""
+        keep = self.m.kv.reusable(sequence) if sequence else 0
+        self.m.kv.truncate(keep)
         self.children, self.fed, self.pending = {}, [], None
+        return keep
 
     def _undo_speculation(self, actual: list[int]) -> list[int]:
         """Roll the KV back to before the pending assumption; returns the tokens still to feed
@@ -98,7 +102,7 @@ class Drafter:
             p0 = kv.length
             slots = np.arange(p0, p0 + len(part))
             last = self.m.forward_resident(part, slots, slots, causal_layout(kv.context, p0, len(part)))[-1:]
-            kv.commit(slots)
+            kv.commit(slots, part)
         return last
 
     def _sync(self, new: list[int]) -> np.ndarray | None:
@@ -114,7 +118,7 @@ class Drafter:
                 break
             keep.append(base + child)
             node = child
-        kv.commit(keep)  # moves the accepted path's rows next to the prefix
+        kv.commit(keep, new[:len(keep)])  # moves the accepted path's rows next to the prefix
         self.children, self.fed = {}, []
         return self._feed(new[len(keep):]) if len(keep) < len(new) else None
 
@@ -133,11 +137,12 @@ class Drafter:
 
         t0 = time.perf_counter()
         self._use_threads(req.threads or self.threads)
-        if req.reset:
-            self.reset()
-            self.head.set_prompt(req.committed)
         root, position = req.root_token, req.position
         committed = list(req.committed)
+        if req.reset:
+            keep = self.reset(committed if req.reuse_prefix else None)
+            self.head.set_prompt(req.committed)
+            committed = committed[keep:]
         if self.pending is not None:
             if req.confirmed:
                 self.pending = None  # the assumption held: it is plain committed history now

@@ -62,6 +62,7 @@ class NpuVerifier:
         self.tracer = tracer
         self.lookahead = lookahead
         self.base = 0  # slot of the current pass's root
+        self.tree_tokens = np.zeros(0, np.int32)  # the current pass's tokens, named when committed
         self.released = 0
         self.received = 0
         self.skipped = 0
@@ -181,19 +182,24 @@ class NpuVerifier:
 
     async def verify(self, plan: VerifyPlan) -> VerifyDone:
         kv = self.m.kv
-        if plan.prefill:
-            kv.truncate(0)  # a prefill starts a new session
-        elif plan.prev_accepted:
-            kv.commit([self.base + int(n) for n in plan.prev_accepted])
-        t_start = time.perf_counter()
         tokens = np.asarray(plan.tokens, np.int64)
-        n = len(tokens)
-        base = kv.length
-        if base + max(n, plan.bucket) > kv.context:
-            raise RuntimeError(f"KV cache full: {base} + {max(n, plan.bucket)} > {kv.context}")
-        self.base = base
-        slots = np.arange(base, base + n)
         positions = plan.position + np.asarray(plan.depths, np.int64)
+        cache_n = 0
+        if plan.prefill:  # a new sequence: from the rows it shares with the last one, or from 0
+            cache_n = kv.reusable(plan.tokens) if plan.reuse_prefix else 0
+            kv.truncate(cache_n)
+            tokens, positions = tokens[cache_n:], positions[cache_n:]
+        elif plan.prev_accepted:
+            kv.commit([self.base + int(n) for n in plan.prev_accepted],
+                      self.tree_tokens[list(plan.prev_accepted)])
+        t_start = time.perf_counter()
+        n = len(tokens)
+        bucket = n if plan.prefill else plan.bucket
+        base = kv.length
+        if base + max(n, bucket) > kv.context:
+            raise RuntimeError(f"KV cache full: {base} + {max(n, bucket)} > {kv.context}")
+        self.base, self.tree_tokens = base, tokens.astype(np.int32)
+        slots = np.arange(base, base + n)
         from lever_actors.model import attention_layout, causal_layout
 
         if plan.prefill:
@@ -235,18 +241,18 @@ class NpuVerifier:
             full[node_ids] = argmax
             argmax, pruned = full, np.asarray(sorted(prune["pruned"]), np.int32)
         if plan.prefill:
-            kv.commit(slots)
+            kv.commit(slots, tokens)
         self.tracer.add("verify pass" if not plan.prefill else "prefill pass", "session", t_start, time.perf_counter(),
                         nodes=n)
         return VerifyDone(
             session_id=plan.session_id, step=plan.step, epoch=plan.epoch,
             node_ids=node_ids, handle=0, compute_s=compute_s, io_wait_s=wait_s,
-            tokens=np.asarray(plan.tokens, np.int32)[rows] if plan.prefill else np.asarray(plan.tokens, np.int32),
+            tokens=self.tree_tokens[rows] if plan.prefill else self.tree_tokens,
             parents=np.full(1, -1, np.int32) if plan.prefill else np.asarray(plan.parents, np.int32),
             argmax=argmax, pruned=pruned,
             logits=logits.astype(np.float32) if plan.want_logits else None,
             draft_dists=plan.draft_dists, bytes_read=bytes_read, prefill=plan.prefill,
-            temperature=plan.temperature, top_p=plan.top_p, seed=plan.seed,
+            temperature=plan.temperature, top_p=plan.top_p, seed=plan.seed, cache_n=cache_n,
         )
 
     async def _next_session(self, stage: int, first: bool):

@@ -49,6 +49,9 @@ STATS_KEYS = (
     "io_s",                   # seconds spent waiting on flash I/O
     "compute_s",              # seconds spent computing
     "n_tokens",               # tokens committed (== len(token_ids))
+    "cache_n",                # prompt tokens whose KV rows were reused from the last request
+    "prompt_n",               # prompt tokens the prefill computed
+    "ttft_s",                 # the prefill: prompt in, first token out
 )
 
 Emit = Callable[[str, list[int]], Awaitable[None]]
@@ -66,6 +69,7 @@ class GenerateParams:
     seed: int | None
     stop: tuple[str, ...]
     mode: str | None
+    cache_prompt: bool = True  # reuse the KV rows of the prefix shared with the last request
 
 
 @dataclass

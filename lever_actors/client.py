@@ -362,7 +362,7 @@ class Client:
                        **options: Any) -> GenerateResult:
         """Generate; call ``on_token(text, token_ids)`` (sync or async) per chunk.
 
-        Options: messages, max_tokens, temperature, top_p, seed, stop, mode.
+        Options: messages, max_tokens, temperature, top_p, seed, stop, mode, cache_prompt.
         """
         async with self.stream(prompt, **options) as s:
             async for chunk in s:

@@ -58,6 +58,9 @@ class RunStats:
     ngram_n: int = 0  # ... verified
     ngram_accepted: int = 0  # ... and accepted
     pass_s: float = 0.0
+    cache_n: int = 0  # prompt tokens whose target KV rows came from the last sequence (llama.cpp's name)
+    prompt_n: int = 0  # ... and those the prefill computed
+    ttft_s: float = 0.0  # the prefill pass: prompt in, first token out
     accept_hist: dict = field(default_factory=dict)
     tree_sizes: list = field(default_factory=list)
     pruned: int = 0  # the pruner's decisions
@@ -78,7 +81,8 @@ class RunStats:
             "draft_wait_s": self.draft_wait_s, "draft_tokens": self.draft_tokens, "draft_busy_s": self.draft_busy_s,
             "draft_wait_share": self.draft_wait_s / self.pass_s if self.pass_s > 0 else 0.0,
             "draft_ms_per_token": 1e3 * self.draft_busy_s / self.draft_tokens if self.draft_tokens else None,
-            "pass_s": self.pass_s, "io_s_per_pass": io_busy_s / p, "compute_s_per_pass": self.compute_s / p,
+            "pass_s": self.pass_s, "cache_n": self.cache_n, "prompt_n": self.prompt_n, "ttft_s": self.ttft_s,
+            "io_s_per_pass": io_busy_s / p, "compute_s_per_pass": self.compute_s / p,
             "draft_wait_s_per_pass": self.draft_wait_s / p,
             "stall_s_per_pass": self.io_wait_s / p,  # verification lane waiting for its next layer
             "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
@@ -168,6 +172,7 @@ class Generation:
     root: int = 0
     prev_accepted: tuple[int, ...] = ()
     pass_wait_s: float = 0.0  # this pass's wait for the drafter
+    reuse: bool = True  # prompt caching: prefill only what the last sequence does not share
 
     @property
     def sampling(self) -> dict:
@@ -214,9 +219,12 @@ class Pipeline:
                 "direct_io": self.prefetcher.direct, "prune": self.prune_note, "draft_vocab": self.vocab_note,
                 "budget_source": getattr(self.cfg, "budget_source", "")}
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, emit) -> tuple[list[int], str, dict]:
+    async def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, emit, *,
+                       cache_prompt: bool = True) -> tuple[list[int], str, dict]:
         """Generate up to ``max_tokens`` after ``prompt_ids``; ``await emit(token_ids)`` per commit
-        (a truthy return value stops the generation).
+        (a truthy return value stops the generation). With ``cache_prompt`` both models keep the
+        KV rows of the prefix the prompt shares with the last sequence and prefill only the rest
+        (stats ``cache_n``/``prompt_n``); the output is the same either way.
 
         Returns (token ids, finish reason, stats). Greedy output equals
         resident-ar output token for token, whatever the draft does.
@@ -224,7 +232,7 @@ class Pipeline:
         sid = self.session_id + 1
         finished = False
         try:
-            out = await self._generate(prompt_ids, max_tokens, params, emit)
+            out = await self._generate(prompt_ids, max_tokens, params, emit, cache_prompt)
             finished = True
             return out
         finally:
@@ -236,11 +244,14 @@ class Pipeline:
 
     # -- the algorithm ------------------------------------------------------------------------------
 
-    async def _generate(self, prompt_ids, max_tokens, params, emit):
+    async def _generate(self, prompt_ids, max_tokens, params, emit, cache_prompt=True):
         g = self._begin(prompt_ids, max_tokens, params)
+        g.reuse = cache_prompt
         io_before, t_io0, t_start = self.prefetcher.bytes_read, self.tracer.busy("flash"), self.tracer.now_s()
+        t_prefill = time.perf_counter()
         commit = await self._prefill(g)
         t_decode = time.perf_counter()
+        g.stats.ttft_s = t_decode - t_prefill
         finish = "length"
         while True:
             finish = await self._emit(g, commit, emit)
@@ -275,18 +286,19 @@ class Pipeline:
             await self.draft_send.send(DraftRequest(
                 session_id=g.sid, step=0, epoch=0, root_token=g.prompt[-1], position=len(g.prompt) - 1,
                 max_nodes=g.draft_cap if ahead else 0, max_depth=g.max_depth if ahead else 0,
-                top_k=g.top_k if ahead else 1, reset=True, speculative=ahead, **g.spec.settle_fields(),
-                **g.sampling))
+                top_k=g.top_k if ahead else 1, reset=True, speculative=ahead, reuse_prefix=g.reuse,
+                **g.spec.settle_fields(), **g.sampling))
             if ahead:
                 g.spec.assume([])
         n = len(g.prompt)
         await self.plan_send.send(VerifyPlan(
             session_id=g.sid, step=0, epoch=0, position=0, tokens=np.asarray(g.prompt, np.int32),
             parents=np.arange(-1, n - 1, dtype=np.int32), depths=np.arange(n, dtype=np.int32), bucket=n,
-            prefill=True, want_logits=not g.params.greedy, **g.sampling))
+            prefill=True, want_logits=not g.params.greedy, reuse_prefix=g.reuse, **g.sampling))
         first = await self._receive(self.draft_recv, g.sid) if self.drafter is not None else None
         commit = await self._receive(self.commit_recv, g.sid)
-        await self._receive(self.stats_recv, g.sid)
+        ps = await self._receive(self.stats_recv, g.sid)
+        g.stats.cache_n, g.stats.prompt_n = ps.cache_n, n - ps.cache_n
         self._settle_assumption(g, commit, first)
         return commit
 

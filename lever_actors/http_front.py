@@ -423,7 +423,7 @@ class _HttpConnection:
     def _admit(self, d: Daemon, req: api.CompletionRequest, exchange: HttpExchange) -> Job:
         params = GenerateParams(prompt=req.prompt, messages=req.messages, max_tokens=req.max_tokens or 1,
                                 temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                stop=req.stop, mode=None)
+                                stop=req.stop, mode=None, cache_prompt=req.cache_prompt)
         if req.max_tokens is None:  # the API's default: whatever room the context leaves
             room = d.context_length - d.backend.count_prompt_tokens(params)
             params = replace(params, max_tokens=max(1, min(d.config.max_tokens, room)))
@@ -564,4 +564,5 @@ def _timings(job: Job) -> dict:
         first = t["first_token_s"] if t["first_token_s"] is not None else t["total_s"]
         predicted_s = max(t["total_s"] - first, 0.0)
     prompt_s = max(t["generate_s"] - predicted_s, 0.0)
-    return api.timings(job.stats, job.prompt_tokens, len(job.token_ids), prompt_s, predicted_s)
+    prompt_n = job.stats.get("prompt_n", job.prompt_tokens)  # computed, not taken from the cache
+    return api.timings(job.stats, prompt_n, len(job.token_ids), prompt_s, predicted_s)

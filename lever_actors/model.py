@@ -32,6 +32,10 @@ class KVCache:
 
     Slots ``0..length-1`` hold the committed sequence in order; slots above are
     scratch for tokens under verification (tree nodes) until they are committed.
+
+    ``tokens`` names the token of every committed slot when each commit said which (None once
+    one did not). A row's K/V depend only on the tokens up to it, so the rows of a prefix the
+    next sequence shares can serve it unchanged (:meth:`reusable`): that is prompt caching.
     """
 
     def __init__(self, n_layer: int, n_kv_head: int, context: int, head_dim: int) -> None:
@@ -39,6 +43,7 @@ class KVCache:
         self.v = np.zeros_like(self.k)
         self.context = context
         self.length = 0
+        self.tokens: list[int] | None = []
 
     @property
     def nbytes(self) -> int:
@@ -48,17 +53,40 @@ class KVCache:
         self.k[layer][:, slots, :] = k_new
         self.v[layer][:, slots, :] = v_new
 
-    def commit(self, slots: list[int] | np.ndarray) -> None:
-        """Keep the tokens in ``slots`` (in order) as the next committed positions."""
+    def commit(self, slots: list[int] | np.ndarray, tokens=None) -> None:
+        """Keep the rows in ``slots`` (in order) as the next committed positions; ``tokens`` are
+        their token ids (without them the cache no longer knows its sequence: no reuse)."""
         slots = np.asarray(slots, dtype=np.int64)
         dst = np.arange(self.length, self.length + len(slots))
         if not np.array_equal(slots, dst):
             self.k[:, :, dst, :] = self.k[:, :, slots, :]
             self.v[:, :, dst, :] = self.v[:, :, slots, :]
         self.length += len(slots)
+        if tokens is None or self.tokens is None or len(tokens) != len(slots):
+            self.tokens = None
+        else:
+            self.tokens.extend(int(t) for t in tokens)
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
+        if self.length == 0:
+            self.tokens = []
+        elif self.tokens is not None:
+            del self.tokens[self.length:]
+
+    def reusable(self, prompt) -> int:
+        """How many leading rows serve ``prompt``: the common prefix, short of its last token
+        (whose logits the new request needs, so it is always computed)."""
+        if self.tokens is None:
+            return 0
+        return common_prefix(self.tokens, list(prompt)[:-1])
+
+
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:

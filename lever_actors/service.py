@@ -87,7 +87,8 @@ class EngineBackend:
             return stops.stopped
 
         t0 = time.perf_counter()
-        _, finish, stats = await self.pipe.generate(ids, params.max_tokens, sampling, on_tokens)
+        _, finish, stats = await self.pipe.generate(ids, params.max_tokens, sampling, on_tokens,
+                                                    cache_prompt=params.cache_prompt)
         if not stops.stopped:
             tail = stops.feed(dec.flush())
             tail += stops.flush()

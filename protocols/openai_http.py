@@ -11,7 +11,9 @@ Endpoints
     Shared fields: ``model`` (optional; must name the target), ``max_tokens`` (chat also takes
     ``max_completion_tokens``), ``temperature`` (0 = greedy), ``top_p``, ``seed``, ``stop`` (a
     string or up to 16 strings, never part of the output), ``stream``,
-    ``stream_options.include_usage``. Without ``stream`` the answer is one JSON object::
+    ``stream_options.include_usage``, ``cache_prompt`` (llama.cpp's: default true, reuse the KV
+    rows of the prefix shared with the previous request). Without ``stream`` the answer is one
+    JSON object::
 
         {"id", "object": "text_completion" | "chat.completion", "created", "model",
          "choices": [{"index": 0, "text" | "message": {"role": "assistant", "content"},
@@ -19,7 +21,7 @@ Endpoints
          "usage": {"prompt_tokens", "completion_tokens", "total_tokens"},
          "timings": {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms",
                      "predicted_per_second", "draft_n", "draft_n_accepted",
-                     "passes", "mean_accepted", "flash_bytes_per_token"}}
+                     "cache_n", "passes", "mean_accepted", "flash_bytes_per_token"}}
 
     With ``stream`` it is server-sent events, ``data: {chunk}\\n\\n`` each, then
     ``data: [DONE]\\n\\n``. Chunks are ``text_completion`` / ``chat.completion.chunk`` objects
@@ -57,8 +59,9 @@ UNSUPPORTED = ("n", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "lo
                "tools", "tool_choice", "functions", "function_call", "response_format",
                "presence_penalty", "frequency_penalty", "prediction", "audio", "modalities")
 #: Fields accepted and without effect on the output (bookkeeping of the OpenAI API).
-INERT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt")
-_COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options")
+INERT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
+           "cache_prompt")
 _NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": (None, False), "presence_penalty": 0,
             "frequency_penalty": 0, "logit_bias": ({}, None), "suffix": (None, ""),
             "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
@@ -100,6 +103,7 @@ class CompletionRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    cache_prompt: bool = True
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -228,7 +232,14 @@ def check_completion(raw: bytes, *, chat: bool, model_ids: tuple[str, ...],
         temperature=_number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, MAX_TEMPERATURE),
         top_p=_top_p(body),
         seed=_integer(body, "seed", None, 0, MAX_SEED), stop=_stop(body.get("stop")),
-        stream=bool(stream), include_usage=include_usage)
+        stream=bool(stream), include_usage=include_usage, cache_prompt=_flag(body, "cache_prompt", True))
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise _bad(name, f"{name} must be true or false")
+    return value
 
 
 def _tuple(value: Any) -> tuple:
@@ -255,6 +266,7 @@ def timings(stats: dict, prompt_n: int, predicted_n: int, prompt_s: float, predi
             "predicted_n": predicted_n, "predicted_ms": 1e3 * predicted_s,
             "predicted_per_second": predicted_n / predicted_s if predicted_s > 0 else None,
             "draft_n": stats.get("draft_n", 0), "draft_n_accepted": stats.get("draft_n_accepted", 0),
+            "cache_n": stats.get("cache_n", 0),
             "passes": stats.get("passes", 0), "mean_accepted": stats.get("mean_accepted"),
             "flash_bytes_per_token": stats.get("flash_bytes_per_token")}
 

@@ -137,7 +137,7 @@ class LayerReleased(PipelineMessage):
 class DraftRequest(PipelineMessage):
     """-> Drafter: grow a candidate tree below ``root_token`` at sequence ``position``."""
     KIND: ClassVar[str] = "draft.request"
-    VERSION: ClassVar[int] = 5
+    VERSION: ClassVar[int] = 6
     root_token: int
     position: int        # sequence position of root_token
     max_nodes: int
@@ -166,6 +166,9 @@ class DraftRequest(PipelineMessage):
     # v5: kernel threads for this draft (0 = the drafter's own setting); a draft the verification
     # lane waits for may borrow its idle core
     threads: int = 0
+    # v6: prompt caching. With ``reset``, keep the KV rows of the longest prefix the new
+    # sequence (``committed``) shares with the drafter's committed rows, and feed only the rest
+    reuse_prefix: bool = False
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -182,6 +185,10 @@ class DraftRequest(PipelineMessage):
     @staticmethod
     def upgrade_from_4(body: dict) -> dict:
         return body  # v5 only adds a field with a default
+
+    @staticmethod
+    def upgrade_from_5(body: dict) -> dict:
+        return body  # v6 only adds a field with a default
 
     def _check(self) -> None:
         _non_negative(self, "root_token", "position", "max_nodes", "max_depth", "threads")
@@ -245,7 +252,7 @@ class VerifyPlan(PipelineMessage):
     the n nodes to ``bucket`` tokens and stops at ``exit_layers`` to let the pruner score.
     """
     KIND: ClassVar[str] = "plan.verify"
-    VERSION: ClassVar[int] = 3
+    VERSION: ClassVar[int] = 4
     position: int
     tokens: np.ndarray   # int32 [n]
     parents: np.ndarray  # int32 [n]
@@ -266,6 +273,9 @@ class VerifyPlan(PipelineMessage):
     # pruner's threshold on its score at exit_layers (None: score and keep everything)
     alternatives: np.ndarray | None = None  # int32 [n, k]
     prune_threshold: float | None = None
+    # v4: prompt caching. A prefill keeps the KV rows of the longest prefix the prompt shares
+    # with the verifier's committed rows and computes only the rest (VerifyDone.cache_n)
+    reuse_prefix: bool = False
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -274,6 +284,10 @@ class VerifyPlan(PipelineMessage):
     @staticmethod
     def upgrade_from_2(body: dict) -> dict:
         return body  # v3 only adds fields with defaults
+
+    @staticmethod
+    def upgrade_from_3(body: dict) -> dict:
+        return body  # v4 only adds a field with a default
 
     def _check(self) -> None:
         _non_negative(self, "position")
@@ -346,7 +360,7 @@ class PruneMask(PipelineMessage):
 class VerifyDone(PipelineMessage):
     """NpuVerifier -> Acceptor: last-layer hidden states of ``node_ids`` behind ``handle``."""
     KIND: ClassVar[str] = "verify.done"
-    VERSION: ClassVar[int] = 3
+    VERSION: ClassVar[int] = 4
     node_ids: np.ndarray  # int32 [m], strictly increasing
     handle: int
     compute_s: float
@@ -367,6 +381,8 @@ class VerifyDone(PipelineMessage):
     # pruning, tokens/parents/argmax cover every plan node, node_ids the survivors, and
     # argmax is -1 where a node was not computed to the end
     pruned: np.ndarray | None = None  # int32 [p]
+    # v4: prompt rows a prefill took from the cache instead of computing
+    cache_n: int = 0
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -376,8 +392,12 @@ class VerifyDone(PipelineMessage):
     def upgrade_from_2(body: dict) -> dict:
         return body  # v3 only adds a field with a default
 
+    @staticmethod
+    def upgrade_from_3(body: dict) -> dict:
+        return body  # v4 only adds a field with a default
+
     def _check(self) -> None:
-        _non_negative(self, "handle")
+        _non_negative(self, "handle", "cache_n")
         _vector(self, "node_ids", "int32", increasing=True)
         _seconds(self, "compute_s", "io_wait_s")
         if self.pruned is not None:
@@ -416,7 +436,7 @@ class Commit(PipelineMessage):
 class PassStats(PipelineMessage):
     """Acceptor -> TreePlanner: measurements of one finished pass, for the cost model."""
     KIND: ClassVar[str] = "accept.stats"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     n_nodes: int
     n_accepted: int
     n_pruned: int
@@ -431,13 +451,20 @@ class PassStats(PipelineMessage):
     # pruner's misses, exact per pass
     n_pruned_wrong: int = 0
     n_dropped: int = 0
+    # v3: prompt rows a prefill took from the cache (VerifyDone.cache_n)
+    cache_n: int = 0
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
         return body  # v2 only adds a field with a default
 
+    @staticmethod
+    def upgrade_from_2(body: dict) -> dict:
+        return body  # v3 only adds a field with a default
+
     def _check(self) -> None:
-        _non_negative(self, "n_nodes", "n_accepted", "n_pruned", "bytes_read", "n_pruned_wrong", "n_dropped")
+        _non_negative(self, "n_nodes", "n_accepted", "n_pruned", "bytes_read", "n_pruned_wrong", "n_dropped",
+                      "cache_n")
         if not self.n_pruned_wrong <= self.n_pruned <= max(self.n_dropped, self.n_pruned) <= self.n_nodes:
             raise ValueError("PassStats: need n_pruned_wrong <= n_pruned <= n_dropped <= n_nodes")
         if self.n_accepted > self.n_nodes or self.n_pruned > self.n_nodes:

@@ -65,7 +65,7 @@ Methods
 
 ``generate`` {prompt?: str, messages?: [{role: str, content: str}],
 max_tokens?: int = 128, temperature?: float = 0.0, top_p?: float = 1.0,
-seed?: int | nil, stop?: [str] = [], mode?: str | nil}
+seed?: int | nil, stop?: [str] = [], mode?: str | nil, cache_prompt?: bool = true}
     Exactly one of ``prompt`` (non-empty) and ``messages`` (1 to 1024
     entries; non-empty ``role``) is required. Ranges: ``1 <= max_tokens <=
     limits.max_tokens``; ``0 <= temperature <= 2``; ``0 < top_p <= 1``;
@@ -88,7 +88,11 @@ seed?: int | nil, stop?: [str] = [], mode?: str | nil}
     "prompt_tokens": int, "stats": map, "timings": map}``. ``stats`` holds
     the backend's ``draft_n``, ``draft_n_accepted``, ``mean_accepted``,
     ``passes``, ``flash_bytes_read``, ``flash_bytes_per_token``, ``io_s``,
-    ``compute_s``, ``n_tokens`` (a backend may omit or add keys).
+    ``compute_s``, ``n_tokens``, ``cache_n`` (prompt tokens whose KV rows were
+    reused from the previous request: a conversation's earlier turns),
+    ``prompt_n`` (prompt tokens computed) and ``ttft_s`` (a backend may omit
+    or add keys). ``cache_prompt: false`` computes the whole prompt; the
+    output is the same either way.
     ``timings`` holds ``queue_s``, ``first_token_s`` (nil if none),
     ``generate_s`` and ``total_s``, measured from receipt. A cancelled
     request still gets this response, with ``finish_reason`` "cancelled"
@@ -362,6 +366,12 @@ class _Params:
             raise self.error(f"{name} must be {low} and at most {hi}, got {value}")
         return value
 
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.get(name, default)
+        if not isinstance(value, bool):
+            raise self.error(f"{name} must be true or false, got {_type_name(value)}")
+        return value
+
     def string(self, name: str) -> str | None:
         value = self.get(name)
         if value is None:
@@ -459,6 +469,7 @@ def check_generate(request: Request, *, max_tokens_limit: int, modes: tuple[str,
         "seed": p.integer("seed", None, 0, MAX_SEED, nil_ok=True),
         "stop": tuple(stop),
         "mode": mode,
+        "cache_prompt": p.boolean("cache_prompt", True),
     }
     p.done()
     return out

@@ -39,7 +39,8 @@ _SAMPLE_LIST: list[Message] = [
     Abort(**_HEADER, reason="client disconnected"),
     DraftRequest(**_HEADER, root_token=151_643, position=128, max_nodes=32, max_depth=6, top_k=4,
                  committed=(262, 151_643), reset=False, temperature=0.75, top_p=0.875, seed=11,
-                 speculative=True, assume=(198, 220), confirmed=True, min_path_p=0.375, threads=2),
+                 speculative=True, assume=(198, 220), confirmed=True, min_path_p=0.375, threads=2,
+                 reuse_prefix=True),
     DraftExpansion(
         **_HEADER, root_token=151_643, position=128,
         parents=_i32(-1, -1, 0, 0, 2), tokens=_i32(198, 220, 262, 1_000, 151_645),
@@ -50,7 +51,7 @@ _SAMPLE_LIST: list[Message] = [
         **_HEADER, position=128, tokens=_i32(151_643, 198, 220, 262),
         parents=_i32(-1, 0, 0, 1), depths=_i32(0, 1, 1, 2), bucket=4, exit_layers=(8, 16),
         prev_accepted=(0, 2), want_logits=True, temperature=0.5, top_p=0.9375, seed=3,
-        alternatives=np.array([[198, 220], [262, 5], [13, 11], [9, 10]], dtype=np.int32), prune_threshold=-1.5),
+        alternatives=np.array([[198, 220], [262, 5], [13, 11], [9, 10]], dtype=np.int32), prune_threshold=-1.5, reuse_prefix=True),
     ExitHidden(**_HEADER, layer=8, node_ids=_i32(0, 1, 3), handle=11, tokens=_i32(151_643, 198, 220, 262),
                parents=_i32(-1, 0, 0, 1), alternatives=np.array([[198, 220], [262, 5], [13, 11], [9, 10]], dtype=np.int32),
                threshold=-1.5),
@@ -58,11 +59,11 @@ _SAMPLE_LIST: list[Message] = [
     VerifyDone(**_HEADER, node_ids=_i32(0, 1, 3), handle=12, compute_s=0.0625, io_wait_s=0.003,
                tokens=_i32(151_643, 198, 220, 262), parents=_i32(-1, 0, 0, 1), argmax=_i32(198, 262, -1, 13),
                logits=np.array([[1.5, -2.0], [0.25, 0.0], [3.0, 1.0]], dtype=np.float32), bytes_read=30_015_488,
-               temperature=0.5, top_p=0.9375, seed=3, pruned=_i32(2)),
+               temperature=0.5, top_p=0.9375, seed=3, pruned=_i32(2), cache_n=17),
     Commit(**_HEADER, tokens=(198, 262, 13), accepted_nodes=(0, 1, 3), finished=True,
            finish_reason="stop"),
     PassStats(**_HEADER, n_nodes=4, n_accepted=2, n_pruned=1, io_s=0.71, compute_s=0.18,
-              draft_s=0.0875, pass_s=0.74, bytes_read=788_800_000, n_pruned_wrong=1, n_dropped=2),
+              draft_s=0.0875, pass_s=0.74, bytes_read=788_800_000, n_pruned_wrong=1, n_dropped=2, cache_n=17),
 ]
 
 SAMPLES: dict[str, Message] = {msg.KIND: msg for msg in _SAMPLE_LIST}

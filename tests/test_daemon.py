@@ -236,6 +236,7 @@ BAD_REQUESTS = [
     ([0, 1, "generate", [{"prompt": 5}]], "invalid_params", 1, "prompt"),
     ([0, 1, "generate", [{"prompt": "a", "max_tokens": "5"}]], "invalid_params", 1, "max_tokens"),
     ([0, 1, "generate", [{"prompt": "a", "max_tokens": 0}]], "invalid_params", 1, "max_tokens"),
+    ([0, 1, "generate", [{"prompt": "a", "cache_prompt": 1}]], "invalid_params", 1, "cache_prompt"),
     ([0, 1, "generate", [{"prompt": "a", "max_tokens": True}]], "invalid_params", 1, "max_tokens"),
     ([0, 1, "generate", [{"prompt": "a", "max_tokens": 10**6}]], "invalid_params", 1, "max_tokens"),
     ([0, 1, "generate", [{"prompt": "a", "temperature": float("nan")}]], "invalid_params", 1, "temperature"),
