@@ -729,12 +729,56 @@ static inline void axpy_d(float p, const float *v, float *acc, int64_t d) {
 #endif
 }
 
+/* The same two reductions over half-precision cache rows: each element widens exactly to fp32
+ * first, so the lanes and their order, and with them batch and tree invariance, are unchanged. */
+static inline void widen8(const uint16_t *h, float *f) {
+#if defined(LEVER_AVX2) && defined(__F16C__)
+    _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+#else
+    for (int j = 0; j < 8; j++) f[j] = f16_to_f32((const uint8_t *)(h + j));
+#endif
+}
+
+static inline float dot_dh(const float *a, const uint16_t *b, int64_t d) {
+#if defined(LEVER_AVX2) && defined(__F16C__)
+    __m256 p = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; e += 8)
+        p = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + e))), p);
+    float l[8];
+    _mm256_storeu_ps(l, p);
+#else
+    float l[8] = {0}, w[8];
+    for (int64_t e = 0; e < d; e += 8) {
+        widen8(b + e, w);
+        for (int j = 0; j < 8; j++) l[j] = fmaf(a[e + j], w[j], l[j]);
+    }
+#endif
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+static inline void axpy_dh(float p, const uint16_t *v, float *acc, int64_t d) {
+#if defined(LEVER_AVX2) && defined(__F16C__)
+    __m256 pv = _mm256_set1_ps(p);
+    for (int64_t e = 0; e < d; e += 8)
+        _mm256_storeu_ps(acc + e, _mm256_fmadd_ps(pv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + e))),
+                                                  _mm256_loadu_ps(acc + e)));
+#else
+    float w[8];
+    for (int64_t e = 0; e < d; e += 8) {
+        widen8(v + e, w);
+        for (int j = 0; j < 8; j++) acc[e + j] = fmaf(p, w[j], acc[e + j]);
+    }
+#endif
+}
+
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v;  /* float, or uint16_t halves when f16 */
     const int64_t *perm, *len;
     float *out;
-    int64_t n, nh, kvh, d, c, r0, r1;
+    int64_t n, nh, kvh, d, c, r0, r1, pstride;
     float scale;
+    int f16;
     int failed;
 } AttnJob;
 
@@ -744,14 +788,16 @@ static void *run_attn(void *arg) {
     if (!s) { a->failed = 1; return NULL; }
     const int64_t grp = a->nh / a->kvh;
     for (int64_t r = a->r0; r < a->r1; r++) {
-        const int64_t *pr = a->perm + r * a->c, len = a->len[r];
+        const int64_t *pr = a->perm + r * a->pstride, len = a->len[r];
         for (int64_t h = 0; h < a->nh; h++) {
             const float *qh = a->q + (r * a->nh + h) * a->d;
-            const float *kh = a->k + (h / grp) * a->c * a->d, *vh = a->v + (h / grp) * a->c * a->d;
+            const int64_t head = (h / grp) * a->c * a->d;
+            const float *kh = (const float *)a->k + head, *vh = (const float *)a->v + head;
+            const uint16_t *kh16 = (const uint16_t *)a->k + head, *vh16 = (const uint16_t *)a->v + head;
             float *o = a->out + (r * a->nh + h) * a->d;
             float mx = -INFINITY;
             for (int64_t j = 0; j < len; j++) {
-                s[j] = dot_d(qh, kh + pr[j] * a->d, a->d) * a->scale;
+                s[j] = (a->f16 ? dot_dh(qh, kh16 + pr[j] * a->d, a->d) : dot_d(qh, kh + pr[j] * a->d, a->d)) * a->scale;
                 if (s[j] > mx) mx = s[j];
             }
             float sum = 0.0f;
@@ -759,7 +805,8 @@ static void *run_attn(void *arg) {
             for (int64_t j = 0; j < len; j++) {
                 float p = expf(s[j] - mx);
                 sum += p;
-                axpy_d(p, vh + pr[j] * a->d, o, a->d);
+                if (a->f16) axpy_dh(p, vh16 + pr[j] * a->d, o, a->d);
+                else axpy_d(p, vh + pr[j] * a->d, o, a->d);
             }
             float inv = len > 0 ? 1.0f / sum : 0.0f;
             for (int64_t e = 0; e < a->d; e++) o[e] *= inv;
@@ -769,25 +816,30 @@ static void *run_attn(void *arg) {
     return NULL;
 }
 
-/* attention(q, k_cache, v_cache, perm, lengths, out, n, n_head, n_kv_head, head_dim, context, scale, threads) */
+/* attention(q, k_cache, v_cache, perm, lengths, out, n, n_head, n_kv_head, head_dim, context, scale, threads, f16,
+ *           shared_perm)
+ * f16: the caches hold IEEE half-precision values (2 bytes each) instead of fp32.
+ * shared_perm: perm is one row of key order that every row uses (a causal run), not [n, context]. */
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     Py_buffer q, k, v, perm, len, out;
     Py_ssize_t n, nh, kvh, d, c;
     double scale;
-    int threads;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnnndi", &q, &k, &v, &perm, &len, &out, &n, &nh, &kvh, &d, &c, &scale,
-                          &threads))
+    int threads, f16, shared;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*nnnnndipp", &q, &k, &v, &perm, &len, &out, &n, &nh, &kvh, &d, &c, &scale,
+                          &threads, &f16, &shared))
         return NULL;
+    const Py_ssize_t pstride = shared ? 0 : c;
     PyObject *ret = NULL;
+    const Py_ssize_t esize = f16 ? 2 : 4;
     if (d % 8 || kvh < 1 || nh % kvh) { PyErr_SetString(PyExc_ValueError, "head_dim must be a multiple of 8 and n_head of n_kv_head"); goto done; }
-    if (!need(&q, n * nh * d * 4, "q") || !need(&k, kvh * c * d * 4, "k cache") || !need(&v, kvh * c * d * 4, "v cache") ||
-        !need(&perm, n * c * 8, "perm") || !need(&len, n * 8, "lengths") || !need(&out, n * nh * d * 4, "out"))
+    if (!need(&q, n * nh * d * 4, "q") || !need(&k, kvh * c * d * esize, "k cache") || !need(&v, kvh * c * d * esize, "v cache") ||
+        !need(&perm, (shared ? 1 : n) * c * 8, "perm") || !need(&len, n * 8, "lengths") || !need(&out, n * nh * d * 4, "out"))
         goto done;
     for (Py_ssize_t r = 0; r < n; r++) {
         int64_t l = ((const int64_t *)len.buf)[r];
         if (l < 0 || l > c) { PyErr_Format(PyExc_ValueError, "row %zd: length %lld outside [0, %zd]", r, (long long)l, c); goto done; }
         for (int64_t j = 0; j < l; j++) {
-            int64_t key = ((const int64_t *)perm.buf)[r * c + j];
+            int64_t key = ((const int64_t *)perm.buf)[r * pstride + j];
             if (key < 0 || key >= c) { PyErr_Format(PyExc_ValueError, "row %zd: key slot %lld outside the cache", r, (long long)key); goto done; }
         }
     }
@@ -797,7 +849,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (int t = 0; t < threads; t++) {
         jobs[t] = (AttnJob){q.buf, k.buf, v.buf, perm.buf, len.buf, out.buf, n, nh, kvh, d, c, n * t / threads,
-                            n * (t + 1) / threads, (float)scale, 0};
+                            n * (t + 1) / threads, pstride, (float)scale, f16, 0};
     }
     run_jobs(run_attn, jobs, sizeof(AttnJob), threads);
     for (int t = 0; t < threads; t++) failed |= jobs[t].failed;

@@ -147,24 +147,27 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, perm: np.ndarray, lengths: np.ndarray,
               n_head: int, scale: float, threads: int = 1) -> np.ndarray:
-    """Grouped-query attention of ``q`` [N, n_head*D] over the cache [KVH, C, D].
+    """Grouped-query attention of ``q`` [N, n_head*D] over the cache [KVH, C, D] (fp32 or fp16).
 
     Row ``r`` attends to keys ``perm[r, :lengths[r]]`` in that order (its prefix,
     then its ancestors and itself), so a tree node reduces exactly like the
     autoregressive step it stands for; masked keys are never touched.
     """
     q = _rows(q, "q")
-    k_cache, v_cache = np.ascontiguousarray(k_cache, np.float32), np.ascontiguousarray(v_cache, np.float32)
+    kv_type = np.float16 if k_cache.dtype == np.float16 else np.float32  # half rows are read as they are
+    k_cache, v_cache = np.ascontiguousarray(k_cache, kv_type), np.ascontiguousarray(v_cache, kv_type)
     kvh, c, d = k_cache.shape
     n = q.shape[0]
     if q.shape[1] != n_head * d or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {q.shape} and caches {k_cache.shape}/{v_cache.shape} do not fit {n_head} heads")
-    perm = np.ascontiguousarray(perm, np.int64)
     lengths = np.ascontiguousarray(lengths, np.int64)
-    if perm.shape != (n, c) or lengths.shape != (n,):
-        raise ValueError(f"perm must be [{n}, {c}] and lengths [{n}], got {perm.shape} and {lengths.shape}")
+    if np.shape(perm) != (n, c) or lengths.shape != (n,):
+        raise ValueError(f"perm must be [{n}, {c}] and lengths [{n}], got {np.shape(perm)} and {lengths.shape}")
+    shared = n > 0 and perm.strides[0] == 0  # one key order broadcast to every row (causal_layout)
+    perm = np.ascontiguousarray(perm[0] if shared else perm, np.int64)
     out = np.empty_like(q)
-    _kernels.attention(q, k_cache, v_cache, perm, lengths, out, n, n_head, kvh, d, c, float(scale), int(threads))
+    _kernels.attention(q, k_cache, v_cache, perm, lengths, out, n, n_head, kvh, d, c, float(scale), int(threads),
+                       kv_type == np.float16, shared)
     return out
 
 

@@ -27,6 +27,14 @@ from lever_actors.ortrt import LaneConfig, make_session
 from lever_actors.quant import dequantize_rows
 
 
+def kv_dtype(layout: str, precision: str):
+    """The KV rows' format: fp16 for the native kernels at int8 activations (half the bytes, as
+    llama.cpp keeps them; each row is rounded once when written and widened exactly when read, so
+    the numerics stay batch- and tree-invariant), fp32 for the fp32 reference numerics and for
+    ONNX Runtime layer graphs (their past_k/past_v inputs are fp32)."""
+    return np.float16 if layout == "native" and precision == "int8" else np.float32
+
+
 class KVCache:
     """K/V of every layer in ``context`` slots: ``[n_layer, KVH, C, D]`` each.
 
@@ -38,8 +46,8 @@ class KVCache:
     next sequence shares can serve it unchanged (:meth:`reusable`): that is prompt caching.
     """
 
-    def __init__(self, n_layer: int, n_kv_head: int, context: int, head_dim: int) -> None:
-        self.k = np.zeros((n_layer, n_kv_head, context, head_dim), np.float32)
+    def __init__(self, n_layer: int, n_kv_head: int, context: int, head_dim: int, dtype=np.float32) -> None:
+        self.k = np.zeros((n_layer, n_kv_head, context, head_dim), dtype)
         self.v = np.zeros_like(self.k)
         self.context = context
         self.length = 0
@@ -121,8 +129,23 @@ def attention_layout(context: int, past: int, visible: list[list[int]]) -> dict[
 
 
 def causal_layout(context: int, past: int, n: int) -> dict[str, np.ndarray]:
-    """Layout of ``n`` consecutive tokens at slots ``past..past+n-1`` (prefill, chains, AR)."""
-    return attention_layout(context, past, [list(range(past, past + j + 1)) for j in range(n)])
+    """Layout of ``n`` consecutive tokens at slots ``past..past+n-1`` (prefill, chains, AR).
+
+    Every row reads the slots in plain order, so ``perm`` is one row broadcast (no memory per
+    row: a long prompt's layouts would otherwise take ``12 * context`` bytes a token) and the
+    mask follows from ``lengths`` (:func:`dense_layout` spells both out for ONNX Runtime).
+    """
+    if past < 0 or past + n > context:
+        raise ValueError(f"slots {past}..{past + n - 1} do not fit a cache of {context}")
+    perm = np.broadcast_to(np.arange(context, dtype=np.int64), (n, context))
+    return {"perm": perm, "lengths": np.arange(past + 1, past + n + 1, dtype=np.int64)}
+
+
+def dense_layout(layout: dict[str, np.ndarray], context: int) -> dict[str, np.ndarray]:
+    """``layout`` with a row of ``perm`` and a ``mask`` per row, as the ONNX layer graphs take them."""
+    lengths = layout["lengths"]
+    mask = np.where(np.arange(context)[None, :] < lengths[:, None], np.float32(0), np.float32(NEG))
+    return {**layout, "perm": np.ascontiguousarray(layout["perm"]), "mask": mask.astype(np.float32)}
 
 
 def read_rows(fd: int, offset: int, row_bytes: int, n_rows: int, qtype: QT, k: int, ids) -> np.ndarray:
@@ -245,7 +268,8 @@ class Transformer:
         self.graphs = LayerGraphs(bundle, context, lane.accuracy)
         self.regions = bundle.layers
         self.embedding = EmbeddingTable(bundle)
-        self.kv = KVCache(self.n_layer, self.n_kv_head, context, self.head_dim)
+        self.kv = KVCache(self.n_layer, self.n_kv_head, context, self.head_dim,
+                          kv_dtype(bundle.layout, lane.precision))
         self.head_regions = bundle.head_chunks
         self.n_head_chunks = len(self.head_regions)
         self._head_graphs: dict[int, bytes] = {}
@@ -288,7 +312,7 @@ class Transformer:
     def run_layer(self, i: int, session, x: np.ndarray, feeds: dict, slots: np.ndarray) -> np.ndarray:
         if self.native:
             return session.forward(x, feeds, self.kv.k[i], self.kv.v[i], self.bundle.dims, self.lane)
-        ort_feeds = {k: v for k, v in feeds.items() if k != "lengths"}
+        ort_feeds = {k: v for k, v in dense_layout(feeds, self.context).items() if k != "lengths"}
         y, k_new, v_new = session.run(None, {"x": x, "past_k": self.kv.k[i], "past_v": self.kv.v[i], **ort_feeds})
         self.kv.write(i, slots, k_new, v_new)
         return y

@@ -47,20 +47,29 @@ def activation_bytes(dims: dict, context: int, rows: int = 64) -> int:
     return rows * per_row * 4
 
 
+def kv_bytes(layout: str, precision: str) -> int:
+    """Bytes of one K or V element as the model will store it."""
+    from lever_actors.model import kv_dtype
+
+    return np.dtype(kv_dtype(layout, precision)).itemsize
+
+
 def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None = None) -> BudgetPlan:
     """The DRAM plan of a pipeline. A budget bounds the whole process, so the runtime's own memory
     (its baseline, measured at start-up, and headroom for transients) is a line item too."""
     from lever_actors.memory import HEADROOM, runtime_baseline
 
     d = target.dims
-    kv = 2 * d["n_layer"] * d["n_kv_head"] * cfg.context * d["head_dim"] * 4
+    precision = cfg.lane.precision
+    kv = 2 * d["n_layer"] * d["n_kv_head"] * cfg.context * d["head_dim"] * kv_bytes(target.layout, precision)
     items = {"target_kv": kv, "activations": activation_bytes(d, cfg.context), **(extra or {})}
     if cfg.dram_budget is not None and cfg.mode != "resident-ar" and runtime_baseline() > 0:
         items = {"runtime": runtime_baseline(), "headroom": HEADROOM, **items}
     if draft_bundle is not None:
         dd = draft_bundle.dims
         items["draft_weights"] = draft_bytes
-        items["draft_kv"] = 2 * dd["n_layer"] * dd["n_kv_head"] * cfg.context * dd["head_dim"] * 4
+        items["draft_kv"] = (2 * dd["n_layer"] * dd["n_kv_head"] * cfg.context * dd["head_dim"]
+                             * kv_bytes(draft_bundle.layout, precision))
     budget = cfg.dram_budget if cfg.mode != "resident-ar" else None
     if target.layout != "native" and budget is not None:
         raise ConfigError(

@@ -277,3 +277,40 @@ BAD_BUT_RIGHT_SIZE = {  # spec: data is uint8 [n, row_bytes] (float32 [n, k] for
 @pytest.mark.parametrize("case", BAD_BUT_RIGHT_SIZE)
 def test_wrong_dtype_or_shape_with_right_byte_count_raises(case):
     raises_value_error(BAD_BUT_RIGHT_SIZE[case])
+
+
+def _attention_reference(q, k, v, perm, lengths, n_head):
+    """Float64 softmax attention of each row over its keys ``perm[r, :lengths[r]]``."""
+    kvh, _, d = k.shape
+    out = np.zeros((len(q), n_head * d))
+    for r in range(len(q)):
+        keys = perm[r, :lengths[r]]
+        for h in range(n_head):
+            g = h // (n_head // kvh)
+            qh = q[r, h * d:(h + 1) * d].astype(np.float64)
+            s = k[g, keys].astype(np.float64) @ qh / np.sqrt(d)
+            p = np.exp(s - s.max())
+            out[r, h * d:(h + 1) * d] = (p / p.sum()) @ v[g, keys].astype(np.float64)
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.sampled_from([(2, 1), (4, 2), (6, 2)]), st.sampled_from([8, 64]),
+       st.integers(0, 2**31 - 1))
+def test_attention_over_half_rows_is_exact_widening_and_stays_batch_invariant(n, heads, d, seed):
+    """fp16 KV rows: the kernel reads exactly the values an fp32 cache of the rounded rows holds,
+    matches float64 to fp32 accuracy, and a row's result does not depend on its batch."""
+    n_head, kvh = heads
+    rng = np.random.default_rng(seed)
+    c = 24
+    k = rng.standard_normal((kvh, c, d)).astype(np.float16)
+    v = rng.standard_normal((kvh, c, d)).astype(np.float16)
+    q = rng.standard_normal((n, n_head * d)).astype(np.float32)
+    perm = np.stack([rng.permutation(c) for _ in range(n)])
+    lengths = rng.integers(1, c + 1, n)
+    half = K.attention(q, k, v, perm, lengths, n_head, 1 / np.sqrt(d))
+    widened = K.attention(q, k.astype(np.float32), v.astype(np.float32), perm, lengths, n_head, 1 / np.sqrt(d))
+    np.testing.assert_array_equal(bits(half), bits(widened))
+    np.testing.assert_allclose(half, _attention_reference(q, k, v, perm, lengths, n_head), rtol=1e-4, atol=1e-5)
+    alone = K.attention(q[-1:], k, v, perm[-1:], lengths[-1:], n_head, 1 / np.sqrt(d))
+    np.testing.assert_array_equal(bits(alone[0]), bits(half[-1]))

@@ -330,8 +330,9 @@ def test_lever_with_prompt_lookup_branches_is_lossless(tiny_bundles, unrelated_d
     cfg = EngineConfig(mode="lever", gamma=12, context=CONTEXT, dram_budget=24 * 2**20)
     toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
     assert toks == ref
-    assert stats["ngram_n"] > 0  # the branch was offered and verified
-    assert pipe.lever.ngram_calibration.seen.sum() > 0  # and its acceptance recorded on its own
+    assert stats["ngram_offered"] > 0  # the branch was offered (whether it pays is the cost model's call)
+    seen = pipe.lever.ngram_calibration.seen.sum()  # what was verified of it is recorded on its own
+    assert seen > 0 if stats["ngram_n"] > 0 else seen == 0
     off = trio.run(generate, cfg.with_mode("lever:12+no-ngram"), target, draft, ids)
     assert off[0] == ref and off[1]["ngram_n"] == 0
 
