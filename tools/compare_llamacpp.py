@@ -4,7 +4,8 @@
 
 llama-cpp-python is a tool dependency only: it is installed from PyPI into its own venv
 (``--llama-venv``, default ``~/.cache/lever-actors/llama-venv``; building it compiles llama.cpp, a
-few minutes) and runs in a subprocess, fed the same prompt token ids our tokenizer produced. For
+few minutes; with ``LLAMA_CPP_LIB_PATH`` pointing at an existing llama.cpp build, e.g. the one
+``tools/peer_llamacpp.py`` makes, install it with ``CMAKE_ARGS=-DLLAMA_BUILD=OFF``) and runs in a subprocess, fed the same prompt token ids our tokenizer produced. For
 each prompt both sides decode ``--tokens`` greedy tokens from the raw prompt; we report the share of
 prompts whose first 32 tokens are identical and the mean index of the first divergence (near-ties in
 the logits make some divergence legitimate: int8 activations round differently from llama.cpp's q8).
@@ -48,7 +49,10 @@ def ensure_llama(venv_dir: Path) -> Path:
     return py
 
 
-def ours(bundle: Path, prompts: list[list[int]], tokens: int, threads: int) -> list[list[int]]:
+def ours(bundle: Path, prompts: list[list[int]], tokens: int, threads: int, kv: str | None = None) -> list[list[int]]:
+    import numpy as np
+
+    from lever_actors.model import KVCache
     from lever_actors.bundle import load_bundle
     from lever_actors.decode import decode_resident
     from lever_actors.tokenizer import load_tokenizer
@@ -59,6 +63,8 @@ def ours(bundle: Path, prompts: list[list[int]], tokens: int, threads: int) -> l
     b = load_bundle(bundle)
     eos = set(load_tokenizer(bundle).eos_ids)
     m = Transformer(b, 1024, LaneConfig(threads=threads))
+    if kv is not None:  # the other KV row format, for a side-by-side figure
+        m.kv = KVCache(m.n_layer, m.n_kv_head, 1024, m.head_dim, np.dtype(kv).type)
     out = []
     for ids in prompts:
         m.kv.truncate(0)
@@ -88,6 +94,8 @@ def main() -> None:
     ap.add_argument("--model", choices=("target", "draft", "both"), default="both")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-venv", type=Path, default=lever_home() / "llama-venv")
+    ap.add_argument("--kv", choices=("default", "both"), default="default",
+                    help="'both' also decodes with fp32 KV rows, to show what the half-size rows change")
     ap.add_argument("--json", dest="json_out")
     a = ap.parse_args()
     bundles = fetch()
@@ -104,11 +112,12 @@ def main() -> None:
             env = dict(os.environ, PYTHONPATH="")
             subprocess.run([str(py), str(script), str(job), str(res)], check=True, env=env)
             theirs = json.loads(res.read_text())
-        mine = ours(bundles[role], prompts, a.tokens, a.threads)
-        report[role] = agreement(mine, theirs, a.tokens)
-        print(f"{role}: first 32 tokens identical on {100 * report[role]['first32_identical']:.0f}% of "
-              f"{len(prompts)} prompts; mean first divergence at token {report[role]['mean_first_divergence']:.1f}",
-              flush=True)
+        for kv in ((None, "float32") if a.kv == "both" else (None,)):
+            key = role if kv is None else f"{role}_kv_{kv}"
+            report[key] = agreement(ours(bundles[role], prompts, a.tokens, a.threads, kv), theirs, a.tokens)
+            print(f"{key}: first 32 tokens identical on {100 * report[key]['first32_identical']:.0f}% of "
+                  f"{len(prompts)} prompts; mean first divergence at token {report[key]['mean_first_divergence']:.1f}",
+                  flush=True)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(report, indent=1))
 
