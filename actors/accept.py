@@ -47,6 +47,14 @@ class Acceptor:
         async with self.done_recv, self.commit_send, self.stats_send:
             task_status.started()
             async for done in self.done_recv:
+                if done.fault:  # a lost pass: nothing to decide, the driver fails the request
+                    header = dict(session_id=done.session_id, step=done.step, epoch=done.epoch)
+                    await self.commit_send.send(Commit(**header, tokens=(), fault=done.fault,
+                                                       fault_retryable=done.fault_retryable))
+                    await self.stats_send.send(PassStats(**header, n_nodes=0, n_accepted=0, n_pruned=0,
+                                                         io_s=done.io_wait_s, compute_s=done.compute_s, draft_s=0.0,
+                                                         pass_s=0.0, bytes_read=done.bytes_read))
+                    continue
                 t0 = time.perf_counter()
                 path, tokens = decide(done)
                 pruned = done.pruned if done.pruned is not None else np.zeros(0, np.int32)

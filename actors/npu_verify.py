@@ -8,6 +8,7 @@ import trio
 
 from lever_actors.planner import bucket_for
 from lever_actors.prune import directly_pruned
+from lever_actors.errors import FlashFault
 from protocols import ExitHidden, LayerReleased, VerifyDone, VerifyPlan
 
 
@@ -62,6 +63,7 @@ class NpuVerifier:
         self.tracer = tracer
         self.lookahead = lookahead
         self.base = 0  # slot of the current pass's root
+        self.faults = 0  # passes lost to flash faults
         self.tree_tokens = np.zeros(0, np.int32)  # the current pass's tokens, named when committed
         self.released = 0
         self.received = 0
@@ -134,7 +136,9 @@ class NpuVerifier:
         built: dict[int, tuple] = {}
 
         async def build_one(k: int, msg) -> None:
-            built[k] = (msg.layer, await self.lanes.run("build", self._build, msg.layer, msg.slot), msg)
+            # a faulty read holds no weights: nothing is built from it, the pass fails on it
+            sess = None if msg.fault else await self.lanes.run("build", self._build, msg.layer, msg.slot)
+            built[k] = (msg.layer, sess, msg)
             done[k].set()
 
         async def deliver() -> None:
@@ -222,6 +226,12 @@ class NpuVerifier:
             prune = {"plan": plan, "alive": np.ones(n, bool), "pruned": []}
         try:
             await self._stages(x, feeds_list, slots_list, rows, head_parts, acc, plan.session_id, prune)
+        except FlashFault as exc:  # this pass is lost, the verifier is not: the driver fails the request
+            self.faults += 1
+            return VerifyDone(session_id=plan.session_id, step=plan.step, epoch=plan.epoch,
+                              node_ids=np.zeros(0, np.int32), handle=0, compute_s=acc["compute_s"],
+                              io_wait_s=acc["wait_s"], bytes_read=acc["bytes_read"], prefill=plan.prefill,
+                              fault=str(exc), fault_retryable=exc.retryable)
         finally:
             for slot in list(self.taken):  # cancelled or aborted mid-pass: its slots go back
                 self.taken.discard(slot)
@@ -286,6 +296,8 @@ class NpuVerifier:
                 sess, msg = await self._next_session(stage, stage == first_streamed)
                 acc["wait_s"] += time.perf_counter() - t0
                 acc["bytes_read"] += msg.nbytes
+                if msg.fault:  # the slot goes back in verify's finally, like every taken slot
+                    raise FlashFault(msg.fault, msg.fault_retryable)
             t0 = time.perf_counter()
             y = await self.lanes.run("npu", self._run_stage, stage, sess, x, feeds_list, slots_list, rows)
             del sess

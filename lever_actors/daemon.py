@@ -40,7 +40,7 @@ from lever_actors import __version__
 from lever_actors.backend import Backend, GenerateParams
 from lever_actors.client import default_socket_path
 from lever_actors.daemon_files import SocketFiles
-from lever_actors.errors import ConfigError, ContextOverflow, DaemonAlreadyRunning, LeverError
+from lever_actors.errors import ConfigError, ContextOverflow, DaemonAlreadyRunning, FlashFault, LeverError
 from lever_actors.http_front import HttpConfig, HttpFront, parse_address
 from protocols import rpc
 from protocols.rpc import ErrorCode, RpcError
@@ -190,6 +190,9 @@ class Engine:
             error = (ErrorCode.CONTEXT_OVERFLOW, str(exc))
         except ConfigError as exc:  # e.g. a mode parameter the backend does not accept
             error = (ErrorCode.INVALID_PARAMS, str(exc))
+        except FlashFault as exc:  # this request's pass was lost; the pipeline serves the next one
+            log.error("flash fault conn=%d request_id=%d: %s", job.conn.id, job.request_id, exc)
+            error = (ErrorCode.IO_ERROR if exc.retryable else ErrorCode.MODEL_DAMAGED, str(exc))
         except Exception as exc:  # the session boundary: this request fails, the daemon goes on
             log.exception("generate failed conn=%d request_id=%d", job.conn.id, job.request_id)
             error = (ErrorCode.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
+from lever_actors.errors import FlashFault
 from lever_actors.decode import check_context
 from lever_actors.memory import release_memory
 from lever_actors.ngram import merge_branch, prompt_lookup
@@ -185,6 +186,12 @@ class Generation:
         return len(self.prompt) + len(self.out) - 1
 
 
+def _raise_fault(commit) -> None:
+    """A pass lost to a flash fault ends the generation with that fault (the pipeline goes on)."""
+    if commit.fault:
+        raise FlashFault(commit.fault, commit.fault_retryable)
+
+
 def tree_shape(mode: str, gamma: int) -> tuple[int, int]:
     """(children scored per node, depth cap) of the drafter's trees for a mode."""
     if mode == "flash-chain":
@@ -263,6 +270,7 @@ class Pipeline:
             await self.plan_send.send(self._verify_plan(g, tree))
             await self._draft_ahead(g, tree)
             commit, ps = await self._receive(self.commit_recv, g.sid), await self._receive(self.stats_recv, g.sid)
+            _raise_fault(commit)
             self._observe(g, tree, commit, ps, time.perf_counter() - t_pass)
             await self._settle(g, commit)
             g.stats.pass_s += time.perf_counter() - t_pass
@@ -298,6 +306,7 @@ class Pipeline:
         first = await self._receive(self.draft_recv, g.sid) if self.drafter is not None else None
         commit = await self._receive(self.commit_recv, g.sid)
         ps = await self._receive(self.stats_recv, g.sid)
+        _raise_fault(commit)
         g.stats.cache_n, g.stats.prompt_n = ps.cache_n, n - ps.cache_n
         self._settle_assumption(g, commit, first)
         return commit

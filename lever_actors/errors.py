@@ -26,6 +26,18 @@ class ModelIncompatible(ModelError):
     """The draft and target models cannot be paired (vocabularies or special tokens differ)."""
 
 
+class FlashFault(LeverError):
+    """Streamed weights could not be read, or were not the bytes the bundle recorded.
+
+    ``retryable``: an I/O error that persisted through the read retries (the next request may
+    succeed); not retryable: the bytes are damaged or the file changed (reconvert or restart).
+    """
+
+    def __init__(self, message: str, retryable: bool):
+        super().__init__(message)
+        self.retryable = retryable
+
+
 class BudgetError(LeverError):
     """The DRAM budget cannot hold even the streaming minimum."""
 

@@ -6,11 +6,15 @@ read and reports that it was used.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import time
 
+from lever_actors.errors import FlashFault
+
 PAGE = 4096
+READ_RETRIES = 3  # a failed read is tried this many more times before it fails the request
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -31,14 +35,33 @@ class FlashFile:
                 self.fd = -1
         if self.fd < 0:
             self.fd = os.open(path, os.O_RDONLY)
+        self._size = os.fstat(self.fd).st_size
 
-    def read_into(self, buf, offset: int, nbytes: int) -> int:
-        """Read ``nbytes`` at ``offset`` into the start of ``buf`` (blocking; call from a thread)."""
+    def read_into(self, buf, offset: int, nbytes: int, what: str = "region") -> int:
+        """Read ``nbytes`` at ``offset`` into the start of ``buf`` (blocking; call from a thread).
+
+        An I/O error or a short read is retried ``READ_RETRIES`` times (a transient fault costs
+        a few milliseconds); then it raises a retryable :class:`FlashFault` naming ``what``.
+        """
         view = memoryview(buf)[:nbytes]
+        for attempt in range(READ_RETRIES + 1):
+            try:
+                return self._read_once(view, offset, nbytes)
+            except OSError as exc:
+                if attempt == READ_RETRIES:
+                    raise FlashFault(f"reading {what} of {self.path} ({nbytes} bytes at offset {offset}) failed "
+                                     f"{READ_RETRIES + 1} times: {exc}", retryable=True) from exc
+                time.sleep(0.005 * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def _read_once(self, view: memoryview, offset: int, nbytes: int) -> int:
         if self.direct:
             try:
                 return self._read_all(view, offset)
-            except OSError:  # e.g. EINVAL on a file system that accepted the flag but not the I/O
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                # a file system that accepted O_DIRECT at open but not for I/O: buffered from now on
                 os.close(self.fd)
                 self.fd = os.open(self.path, os.O_RDONLY)
                 self.direct = False
@@ -49,11 +72,28 @@ class FlashFile:
     def _read_all(self, view: memoryview, offset: int) -> int:
         done = 0
         while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], offset + done)
+            n = self._pread(view[done:], offset + done)
             if n <= 0:
-                raise OSError(f"short read of {self.path} at {offset + done}")
+                raise OSError(errno.EIO, f"short read of {self.path} at {offset + done}")
             done += n
         return done
+
+    def _pread(self, view: memoryview, offset: int) -> int:
+        """The one system call of a read: the seam where tests inject faults."""
+        return os.preadv(self.fd, [view], offset)
+
+    def changed(self) -> str | None:
+        """Why the path no longer names the file we opened (replaced, truncated), or None."""
+        try:
+            now = os.stat(self.path)
+        except OSError as exc:
+            return f"{self.path} is gone: {exc.strerror}"
+        mine = os.fstat(self.fd)
+        if (now.st_ino, now.st_dev) != (mine.st_ino, mine.st_dev):
+            return f"{self.path} was replaced while it was being served"
+        if now.st_size != self._size:
+            return f"{self.path} changed size ({self._size} -> {now.st_size} bytes) while it was being served"
+        return None
 
     def drop_cache(self) -> None:
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)

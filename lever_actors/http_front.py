@@ -40,10 +40,12 @@ log = logging.getLogger(__name__)
 _RECEIVE_CHUNK = 65536
 _EXCHANGE_DEPTH = 64  # engine chunks waiting for one request's writer
 _RPC_STATUS = {ErrorCode.BUSY: 429, ErrorCode.CANCELLED: 503, ErrorCode.CONTEXT_OVERFLOW: 400,
-               ErrorCode.INVALID_PARAMS: 400, ErrorCode.INTERNAL: 500}
+               ErrorCode.INVALID_PARAMS: 400, ErrorCode.INTERNAL: 500, ErrorCode.IO_ERROR: 503,
+               ErrorCode.MODEL_DAMAGED: 500}
 _RPC_CODE = {ErrorCode.BUSY: "queue_full", ErrorCode.CANCELLED: "shutting_down",
              ErrorCode.CONTEXT_OVERFLOW: "context_length_exceeded",
-             ErrorCode.INVALID_PARAMS: "invalid_value", ErrorCode.INTERNAL: "generation_failed"}
+             ErrorCode.INVALID_PARAMS: "invalid_value", ErrorCode.INTERNAL: "generation_failed",
+             ErrorCode.IO_ERROR: "io_error", ErrorCode.MODEL_DAMAGED: "model_damaged"}
 
 
 @dataclass(frozen=True)
@@ -550,7 +552,7 @@ def _header(request: h11.Request, name: bytes) -> str | None:
 
 def _api_error(code: ErrorCode, message: str) -> api.ApiError:
     return api.ApiError(_RPC_STATUS.get(code, 500), message, code=_RPC_CODE.get(code),
-                        retry_after=1 if code == ErrorCode.BUSY else None)
+                        retry_after=1 if code in (ErrorCode.BUSY, ErrorCode.IO_ERROR) else None)
 
 
 def _usage(job: Job) -> dict:

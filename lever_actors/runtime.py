@@ -145,8 +145,10 @@ def prune_setting(cfg, bundle, exits: tuple[int, ...] | None = None) -> tuple[tu
 @asynccontextmanager
 async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: set[int], tracer: Tracer | None = None,
                         lanes=None, channels: dict | None = None, prune_exits: tuple[int, ...] | None = None,
-                        prune_record: list | None = None):
+                        prune_record: list | None = None, flash_file=FlashFile):
     """Load models inside the budget, start every actor, yield a :class:`Pipeline`.
+
+    ``flash_file`` opens the streamed files (the seam where tests inject read faults).
 
     ``prune_exits``/``prune_record`` are for calibration: score nodes at these layers and
     append (session, step, layer, node, margin) to ``prune_record``.
@@ -184,12 +186,14 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
     if db is not None:
         drafter_model = await trio.to_thread.run_sync(
             lambda: Transformer(db, cfg.context, draft_lane, load_head=subset_head is None))
-    stages = [StreamStage(i, r.file, r.offset, r.nbytes) for i, r in enumerate(tb.layers) if i in plan.streamed]
+    stages = [StreamStage(i, r.file, r.offset, r.nbytes, r.sha256, f"layer {i}")
+              for i, r in enumerate(tb.layers) if i in plan.streamed]
     if plan.head_streamed:
-        stages += [StreamStage(tb.n_layer + c, h.file, h.offset, h.nbytes) for c, h in enumerate(tb.head_chunks)]
+        stages += [StreamStage(tb.n_layer + c, h.file, h.offset, h.nbytes, h.sha256, f"LM head slice {c}")
+                   for c, h in enumerate(tb.head_chunks)]
     slot_read = max((s.nbytes for s in stages), default=0)
     pool = [aligned_buffer(slot_read) for _ in range(plan.n_slots if stages else 0)]
-    files = {name: FlashFile(str(tb.file(name))) for name in {s.file for s in stages}}
+    files = {name: flash_file(str(tb.file(name))) for name in {s.file for s in stages}}
     try:
         ready_send, ready_recv = trio.open_memory_channel(caps["ready"])
         rel_send, rel_recv = trio.open_memory_channel(max(len(pool), 1))

@@ -18,11 +18,12 @@ class EngineBackend:
     keeps the pipeline's actors alive for the daemon's lifetime.
     """
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, flash_file=None) -> None:
         from lever_actors.tokenizer import load_tokenizer
         from lever_actors.models import resolve_bundle
 
         self.cfg = cfg
+        self.flash_file = flash_file  # None: the runtime's FlashFile (tests pass one that injects faults)
         self.tdir = resolve_bundle(cfg.target, "target")
         self.ddir = resolve_bundle(cfg.draft, "draft") if cfg.drafted else None
         self.tok = load_tokenizer(self.tdir)
@@ -31,7 +32,8 @@ class EngineBackend:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from lever_actors.runtime import open_pipeline
 
-        async with open_pipeline(self.cfg, self.tdir, self.ddir, set(self.tok.eos_ids)) as pipe:
+        kw = {"flash_file": self.flash_file} if self.flash_file is not None else {}
+        async with open_pipeline(self.cfg, self.tdir, self.ddir, set(self.tok.eos_ids), **kw) as pipe:
             self.pipe = pipe
             task_status.started()
             await trio.sleep_forever()

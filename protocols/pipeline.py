@@ -107,12 +107,20 @@ class PassSchedule(PipelineMessage):
 class LayerReady(PipelineMessage):
     """FlashPrefetcher -> NpuVerifier: ``layer``'s weights sit in buffer-pool ``slot``."""
     KIND: ClassVar[str] = "flash.ready"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     layer: int
     slot: int
     nbytes: int
     io_s: float          # wall time of the read
     direct_io: bool      # False when the read fell back to buffered I/O + fadvise
+    # v2: the read failed or its bytes are not the bundle's: why (the slot's contents are not
+    # weights; the verifier fails the pass with this and hands the slot back)
+    fault: str = ""
+    fault_retryable: bool = False
+
+    @staticmethod
+    def upgrade_from_1(body: dict) -> dict:
+        return body  # v2 only adds fields with defaults
 
     def _check(self) -> None:
         _non_negative(self, "layer", "slot", "nbytes")
@@ -360,7 +368,7 @@ class PruneMask(PipelineMessage):
 class VerifyDone(PipelineMessage):
     """NpuVerifier -> Acceptor: last-layer hidden states of ``node_ids`` behind ``handle``."""
     KIND: ClassVar[str] = "verify.done"
-    VERSION: ClassVar[int] = 4
+    VERSION: ClassVar[int] = 5
     node_ids: np.ndarray  # int32 [m], strictly increasing
     handle: int
     compute_s: float
@@ -383,6 +391,10 @@ class VerifyDone(PipelineMessage):
     pruned: np.ndarray | None = None  # int32 [p]
     # v4: prompt rows a prefill took from the cache instead of computing
     cache_n: int = 0
+    # v5: the pass was lost to a flash fault (why, and whether a retry may succeed); nothing
+    # else of the message is meaningful then
+    fault: str = ""
+    fault_retryable: bool = False
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -395,6 +407,10 @@ class VerifyDone(PipelineMessage):
     @staticmethod
     def upgrade_from_3(body: dict) -> dict:
         return body  # v4 only adds a field with a default
+
+    @staticmethod
+    def upgrade_from_4(body: dict) -> dict:
+        return body  # v5 only adds fields with defaults
 
     def _check(self) -> None:
         _non_negative(self, "handle", "cache_n")
@@ -415,13 +431,24 @@ class Commit(PipelineMessage):
     ``finish_reason`` is set exactly when ``finished`` is.
     """
     KIND: ClassVar[str] = "accept.commit"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     tokens: tuple[int, ...]
     accepted_nodes: tuple[int, ...] = ()
     finished: bool = False
     finish_reason: str | None = None
+    # v2: the pass was lost to a flash fault (VerifyDone.fault): no tokens, the request fails
+    fault: str = ""
+    fault_retryable: bool = False
+
+    @staticmethod
+    def upgrade_from_1(body: dict) -> dict:
+        return body  # v2 only adds fields with defaults
 
     def _check(self) -> None:
+        if self.fault:
+            if self.tokens or self.accepted_nodes or self.finished:
+                raise ValueError("Commit with a fault carries no tokens")
+            return
         if not self.tokens or any(t < 0 for t in self.tokens):
             raise ValueError("Commit.tokens must hold at least one token id >= 0")
         nodes = self.accepted_nodes

@@ -148,6 +148,12 @@ cancelled          yes        the daemon is shutting down
 context_overflow   no         prompt tokens + max_tokens > context_length
 internal           no         a daemon or backend failure (logged with a
                               traceback); the daemon keeps serving
+io_error           yes        reading the streamed weights failed after retries
+                              (the message names the file and region); the
+                              daemon keeps serving
+model_damaged      no         streamed weights are not the bytes the bundle
+                              recorded, or the file changed under the daemon;
+                              every request fails so until it is fixed
 =================  =========  ==================================================
 
 Example exchange (msgpack shown as JSON)
@@ -207,9 +213,11 @@ class ErrorCode(StrEnum):
     CANCELLED = "cancelled"
     CONTEXT_OVERFLOW = "context_overflow"
     INTERNAL = "internal"
+    IO_ERROR = "io_error"
+    MODEL_DAMAGED = "model_damaged"
 
 
-RETRYABLE = frozenset({ErrorCode.BUSY, ErrorCode.CANCELLED})
+RETRYABLE = frozenset({ErrorCode.BUSY, ErrorCode.CANCELLED, ErrorCode.IO_ERROR})
 
 
 class RpcError(Exception):

@@ -650,7 +650,7 @@ async def test_socket_path_too_long_is_a_config_error(tmp_path):
 def test_error_codes_are_the_documented_set():
     assert {c.value for c in ErrorCode} == {
         "parse_error", "invalid_request", "method_not_found", "invalid_params", "frame_too_large",
-        "busy", "cancelled", "context_overflow", "internal"}
+        "busy", "cancelled", "context_overflow", "internal", "io_error", "model_damaged"}
     import protocols.rpc as rpc
     for code in ErrorCode:
         assert code.value in rpc.__doc__

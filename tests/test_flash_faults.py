@@ -1,0 +1,207 @@
+"""Flash faults become clear errors, never wrong output: injected at the FlashFile seam on the tiny
+pair (EIO, short reads, zeros), damaged and truncated bundles, and the daemon serving through them."""
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from lever_actors.bundle import load_bundle
+from lever_actors.engine import EngineConfig
+from lever_actors.errors import FlashFault, ModelError
+from lever_actors.flashio import READ_RETRIES, FlashFile
+from lever_actors.runtime import open_pipeline
+from lever_actors.sampling import SamplingParams
+from lever_actors.tokenizer import TextTokenizer
+
+PROMPT = "def add(left, right):\n    return"
+TOKENS = 16
+# budgets at which the tiny target streams all three layers (two stream slots, nothing pinned)
+STREAMED = dict(context=128, dram_budget=int(7.5 * 2**20))
+STREAMED_AR = dict(context=128, dram_budget=int(2.5 * 2**20))
+
+
+class Faults:
+    """What the next reads of one region do: 'eio', 'short' or 'zeros', ``count`` times."""
+
+    def __init__(self) -> None:
+        self.kind, self.count, self.region, self.hits = None, 0, None, 0
+
+    def arm(self, kind: str, count: int, region) -> None:
+        self.kind, self.count, self.region = kind, count, region
+
+    def take(self, offset: int) -> str | None:
+        r = self.region
+        if self.kind is None or self.count <= 0 or not r.offset <= offset < r.offset + r.nbytes:
+            return None
+        self.count -= 1
+        self.hits += 1
+        return self.kind
+
+
+def faulty_flash_file(faults: Faults):
+    class FaultyFlashFile(FlashFile):
+        def _pread(self, view, offset):
+            kind = faults.take(offset)
+            if kind == "eio":
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            if kind == "short":
+                return 0
+            n = super()._pread(view, offset)
+            if kind == "zeros":
+                view[:n] = bytes(n)
+            return n
+    return FaultyFlashFile
+
+
+def generate_all(cfg, target, draft, faults: Faults, steps):
+    """Run ``steps`` (callables arming faults, then a generation each) on one pipeline; per step:
+    the tokens or the FlashFault, and whether every stream buffer came back."""
+    tok = TextTokenizer.from_file(target / "tokenizer.json")
+
+    async def main():
+        out = []
+        async with open_pipeline(cfg, target, draft if cfg.drafted else None, set(tok.eos_ids),
+                                 flash_file=faulty_flash_file(faults)) as pipe:
+            async def emit(_):
+                return False
+            for step in steps:
+                step()
+                try:
+                    result = (await pipe.generate(tok.encode(PROMPT), TOKENS, SamplingParams(), emit))[0]
+                except FlashFault as exc:
+                    result = exc
+                out.append((result, pipe.verifier.taken == set()))
+        return out
+
+    return trio.run(main)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bundles):
+    target, draft = tiny_bundles
+    faults = Faults()
+    return generate_all(EngineConfig(mode="lever", gamma=6, **STREAMED), target, draft, faults, [lambda: None])[0][0]
+
+
+def layer(tiny_bundles, i: int):
+    return load_bundle(tiny_bundles[0]).layers[i]
+
+
+@pytest.mark.parametrize("kind", ["eio", "short"])
+def test_a_transient_read_fault_is_retried_and_the_output_is_exact(tiny_bundles, reference, kind):
+    faults = Faults()
+    cfg = EngineConfig(mode="lever", gamma=6, **STREAMED)
+    [(out, freed)] = generate_all(cfg, *tiny_bundles, faults, [lambda: faults.arm(kind, READ_RETRIES, layer(tiny_bundles, 1))])
+    assert out == reference and freed and faults.hits == READ_RETRIES  # every injected fault was met
+
+
+@pytest.mark.parametrize("mode", ["flash-ar", "lever:6"])
+@pytest.mark.parametrize("kind", ["eio", "short"])
+def test_a_persistent_read_fault_fails_the_request_names_the_region_and_the_next_is_exact(
+        tiny_bundles, reference, kind, mode):
+    faults = Faults()
+    name, _, gamma = mode.partition(":")
+    cfg = EngineConfig(mode=name, gamma=int(gamma or 8), **(STREAMED if name == "lever" else STREAMED_AR))
+    ref = reference if name == "lever" else generate_all(cfg, *tiny_bundles, Faults(), [lambda: None])[0][0]
+    steps = [lambda: faults.arm(kind, 10**6, layer(tiny_bundles, 1)), lambda: faults.arm(None, 0, None)]
+    (failed, freed), (after, freed_after) = generate_all(cfg, *tiny_bundles, faults, steps)
+    assert isinstance(failed, FlashFault) and failed.retryable
+    assert "layer 1" in str(failed) and "flash.bin" in str(failed)
+    assert freed and freed_after and after == ref
+
+
+def test_reads_that_return_zeros_are_caught_before_and_after_verification(tiny_bundles, reference):
+    faults = Faults()
+    cfg = EngineConfig(mode="lever", gamma=6, **STREAMED)
+    steps = [lambda: faults.arm("zeros", 1, layer(tiny_bundles, 0)),  # the very first read: checksum
+             lambda: faults.arm(None, 0, None),
+             lambda: faults.arm("zeros", 1, layer(tiny_bundles, 2)),  # verified before: the probe
+             lambda: faults.arm(None, 0, None)]
+    (first, f1), (clean, f2), (later, f3), (again, f4) = generate_all(cfg, *tiny_bundles, faults, steps)
+    assert isinstance(first, FlashFault) and not first.retryable and "checksum" in str(first)
+    assert "layer 0" in str(first)
+    assert clean == reference and again == reference and all((f1, f2, f3, f4))
+    assert isinstance(later, FlashFault) and "layer 2" in str(later)
+
+
+def damaged_copy(bundle: Path, tmp: Path, region_index: int) -> Path:
+    out = tmp / bundle.name
+    shutil.copytree(bundle, out)
+    r = load_bundle(out).layers[region_index]
+    with open(out / r.file, "r+b") as f:
+        f.seek(r.offset + r.nbytes // 2)
+        b = f.read(1)
+        f.seek(r.offset + r.nbytes // 2)
+        f.write(bytes([b[0] ^ 0x40]))
+    return out
+
+
+def test_a_changed_byte_in_a_streamed_layer_is_refused_by_name(tiny_bundles, tmp_path):
+    target = damaged_copy(tiny_bundles[0], tmp_path, 2)
+    [(out, freed)] = generate_all(EngineConfig(mode="lever", gamma=6, **STREAMED), target, tiny_bundles[1],
+                                  Faults(), [lambda: None])
+    assert isinstance(out, FlashFault) and "layer 2" in str(out) and "checksum" in str(out) and freed
+
+
+def test_a_changed_byte_in_a_pinned_layer_is_refused_at_load(tiny_bundles, tmp_path):
+    target = damaged_copy(tiny_bundles[0], tmp_path, 0)
+    with pytest.raises(ModelError, match="checksum mismatch"):
+        generate_all(EngineConfig(mode="lever", gamma=6, context=128, dram_budget=12 << 20), target,
+                     tiny_bundles[1], Faults(), [lambda: None])
+
+
+def test_a_truncated_flash_file_is_refused_at_load(tiny_bundles, tmp_path):
+    out = tmp_path / "truncated"
+    shutil.copytree(tiny_bundles[0], out)
+    flash = out / load_bundle(out).layers[-1].file
+    with open(flash, "r+b") as f:
+        f.truncate(flash.stat().st_size - 4096)
+    with pytest.raises(ModelError, match="truncated"):
+        load_bundle(out)
+
+
+def test_the_daemon_answers_a_fault_with_a_retryable_error_and_keeps_serving(tiny_bundles, reference, tmp_path):
+    from lever_actors.client import open_client
+    from lever_actors.daemon import ServeConfig, serve
+    from lever_actors.errors import RemoteError
+    from lever_actors.service import EngineBackend
+
+    faults = Faults()
+    cfg = EngineConfig(target=str(tiny_bundles[0]), draft=str(tiny_bundles[1]), mode="lever", gamma=6, **STREAMED)
+    backend = EngineBackend(cfg, flash_file=faulty_flash_file(faults))
+    tok = TextTokenizer.from_file(tiny_bundles[0] / "tokenizer.json")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            daemon = await nursery.start(serve, ServeConfig(socket=tmp_path / "d.sock"), backend)
+            async with open_client(tmp_path / "d.sock") as client:
+                faults.arm("eio", 10**6, layer(tiny_bundles, 1))
+                with pytest.raises(RemoteError) as info:
+                    await client.generate(PROMPT, max_tokens=TOKENS)
+                faults.arm(None, 0, None)
+                ok = await client.generate(PROMPT, max_tokens=TOKENS)
+                stats = await client.stats()
+            daemon.shutdown()
+        return info.value, ok, stats
+
+    error, ok, stats = trio.run(main)
+    assert error.code == "io_error" and error.retryable and "layer 1" in error.message
+    assert ok.token_ids == reference and tok.decode(ok.token_ids) == ok.text
+    assert stats["daemon"]["requests"]["failed"] == 1 and stats["daemon"]["pool"]["buffers_lent"] <= \
+        stats["daemon"]["pool"]["buffers_total"]
+
+
+def test_models_verify_names_each_bad_region_and_exits_non_zero(tiny_bundles, tmp_path, capsys):
+    from lever_actors.cli import main
+
+    assert main(["models", "verify", str(tiny_bundles[0]), str(tiny_bundles[1])]) == 0
+    damaged = damaged_copy(tiny_bundles[0], tmp_path, 1)
+    assert main(["models", "verify", str(damaged)]) == 1
+    out = capsys.readouterr().out
+    assert "layer 1: checksum mismatch" in out and "1 bad region" in out
