@@ -72,6 +72,32 @@ def ours(bundle: Path, prompts: list[list[int]], tokens: int, threads: int, kv: 
     return out
 
 
+def completion_texts(binary: Path, gguf: Path, prompts: list[str], tokens: int, threads: int) -> list[str]:
+    """llama.cpp's greedy continuation of each prompt by its ``llama-completion`` binary (text)."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        p = subprocess.run([str(binary), "-m", str(gguf), "-p", prompt, "-n", str(tokens), "-no-cnv", "--temp", "0",
+                            "-s", "0", "-t", str(threads), "-c", "1024", "--no-repack", "--no-escape", "--fit", "off",
+                            "--no-display-prompt", "--simple-io"], capture_output=True, text=True, check=True,
+                           stdin=subprocess.DEVNULL)
+        out.append(p.stdout)
+        print(f"\rllama-completion {i + 1}/{len(prompts)}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return out
+
+
+def text_agreement(mine: list[list[int]], theirs: list[str], decode, tokens: int) -> dict:
+    """As :func:`agreement`, against llama.cpp's text: our token i agrees while the text of our
+    first i + 1 tokens is a prefix of theirs (the binary may print a trailing newline of its own)."""
+    firsts = []
+    for ids, text in zip(mine, theirs):
+        n = min(len(ids), tokens)
+        firsts.append(next((i for i in range(n) if not text.startswith(decode(ids[:i + 1]))), n))
+    same32 = sum(1 for f, ids in zip(firsts, mine) if f >= min(32, len(ids)))
+    return {"prompts": len(mine), "first32_identical": same32 / len(mine),
+            "mean_first_divergence": sum(firsts) / len(mine), "first_divergence": firsts}
+
+
 def agreement(a: list[list[int]], b: list[list[int]], tokens: int) -> dict:
     firsts = []
     for x, y in zip(a, b):
@@ -96,13 +122,30 @@ def main() -> None:
     ap.add_argument("--llama-venv", type=Path, default=lever_home() / "llama-venv")
     ap.add_argument("--kv", choices=("default", "both"), default="default",
                     help="'both' also decodes with fp32 KV rows, to show what the half-size rows change")
+    ap.add_argument("--llama-bin", type=Path, default=None,
+                    help="a llama.cpp build's bin/ directory: compare against its llama-completion binary "
+                         "(text) instead of the Python binding")
     ap.add_argument("--json", dest="json_out")
     a = ap.parse_args()
     bundles = fetch()
-    py = ensure_llama(a.llama_venv)
     tok = load_tokenizer(bundles["target"])
-    prompts = [tok.encode(p) for _, p in humaneval_prompts(a.humaneval)]
+    texts = [p for _, p in humaneval_prompts(a.humaneval)]
+    prompts = [tok.encode(p) for p in texts]
     report = {}
+    if a.llama_bin is not None:
+        for role in (("target", "draft") if a.model == "both" else (a.model,)):
+            theirs = completion_texts(a.llama_bin / "llama-completion", gguf_path(DEFAULT_PAIR[role]), texts,
+                                      a.tokens, a.threads)
+            for kv in ((None, "float32") if a.kv == "both" else (None,)):
+                key = role if kv is None else f"{role}_kv_{kv}"
+                mine = ours(bundles[role], prompts, a.tokens, a.threads, kv)
+                report[key] = text_agreement(mine, theirs, tok.decode, a.tokens)
+                print(f"{key}: first 32 tokens identical on {100 * report[key]['first32_identical']:.0f}% of "
+                      f"{len(prompts)} prompts", flush=True)
+        if a.json_out:
+            Path(a.json_out).write_text(json.dumps(report, indent=1))
+        return
+    py = ensure_llama(a.llama_venv)
     for role in (("target", "draft") if a.model == "both" else (a.model,)):
         with tempfile.TemporaryDirectory() as d:
             job, res, script = Path(d) / "job.json", Path(d) / "out.json", Path(d) / "worker.py"
