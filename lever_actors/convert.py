@@ -206,7 +206,16 @@ def convert(gguf_path: str | os.PathLike, out: str | os.PathLike, *, progress: C
         layout = "native" if ts.native_capable() else "ort"
     tmp = dst.with_name(dst.name + f".partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    need = src.stat().st_size + (64 << 20)  # the bundle is the GGUF's bytes, re-laid out, plus padding
+    try:
+        tmp.mkdir(parents=True)
+        free = shutil.disk_usage(tmp).free
+    except OSError as e:
+        raise ModelError(f"cannot create {tmp}: {e.strerror}; choose an output path you can write") from e
+    if free < need:
+        tmp.rmdir()
+        raise ModelError(f"converting {src.name} needs about {need / 2**20:,.0f} MiB under {dst.parent}, "
+                         f"which has {free / 2**20:,.0f} MiB free; free space or choose another output path")
     t0 = time.time()
     try:
         spec = tokenizer_spec_from_gguf(reader)
@@ -254,6 +263,10 @@ def convert(gguf_path: str | os.PathLike, out: str | os.PathLike, *, progress: C
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
         os.replace(tmp, dst)  # the bundle appears complete or not at all
+    except OSError as e:  # disk full, permissions, I/O: nothing half-written stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelError(f"converting {src.name} into {dst} failed: {e.strerror or e} "
+                         f"({getattr(e, 'filename', None) or tmp}); nothing was left behind") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

