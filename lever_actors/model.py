@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as QT
 
 from lever_actors.bundle import Bundle, Region, read_region
 from lever_actors import kernels
+from lever_actors.errors import ModelError
 from lever_actors.graphs import NEG, build_head, build_layer
 from lever_actors.ortrt import LaneConfig, make_session
 from lever_actors.quant import dequantize_rows
@@ -280,7 +281,10 @@ class Transformer:
         self.resident: dict[int, object] = {}  # layer -> NativeLayer or ORT session
         self.resident_bytes = 0
         for i in layers:
-            buf = read_region(bundle, self.regions[i])
+            try:
+                buf = read_region(bundle, self.regions[i])
+            except ModelError as exc:
+                raise ModelError(f"layer {i}: {exc}") from None
             self.resident[i] = self.layer_session_from_buffer(i, buf)
             self.resident_bytes += self.regions[i].nbytes
 

@@ -151,7 +151,7 @@ def test_a_changed_byte_in_a_streamed_layer_is_refused_by_name(tiny_bundles, tmp
 
 def test_a_changed_byte_in_a_pinned_layer_is_refused_at_load(tiny_bundles, tmp_path):
     target = damaged_copy(tiny_bundles[0], tmp_path, 0)
-    with pytest.raises(ModelError, match="checksum mismatch"):
+    with pytest.raises(ModelError, match="layer 0: checksum mismatch"):
         generate_all(EngineConfig(mode="lever", gamma=6, context=128, dram_budget=12 << 20), target,
                      tiny_bundles[1], Faults(), [lambda: None])
 
