@@ -174,6 +174,7 @@ class Generation:
     prev_accepted: tuple[int, ...] = ()
     pass_wait_s: float = 0.0  # this pass's wait for the drafter
     reuse: bool = True  # prompt caching: prefill only what the last sequence does not share
+    prefill_draft: bool = False  # the drafter's answer to the prefill is still to be collected
 
     @property
     def sampling(self) -> dict:
@@ -264,6 +265,9 @@ class Pipeline:
             finish = await self._emit(g, commit, emit)
             if finish == "stop" or len(g.out) >= max_tokens:
                 break
+            if g.prefill_draft:
+                g.prefill_draft = False
+                self._settle_assumption(g, commit, await self._receive_draft(g))
             g.step += 1
             t_pass, g.pass_wait_s = time.perf_counter(), 0.0
             tree = self._plan(g, await self._next_tree(g))
@@ -303,12 +307,15 @@ class Pipeline:
             session_id=g.sid, step=0, epoch=0, position=0, tokens=np.asarray(g.prompt, np.int32),
             parents=np.arange(-1, n - 1, dtype=np.int32), depths=np.arange(n, dtype=np.int32), bucket=n,
             prefill=True, want_logits=not g.params.greedy, reuse_prefix=g.reuse, **g.sampling))
-        first = await self._receive(self.draft_recv, g.sid) if self.drafter is not None else None
         commit = await self._receive(self.commit_recv, g.sid)
         ps = await self._receive(self.stats_recv, g.sid)
         _raise_fault(commit)
         g.stats.cache_n, g.stats.prompt_n = ps.cache_n, n - ps.cache_n
-        self._settle_assumption(g, commit, first)
+        # the first token goes out now; the draft's answer (it digests the prompt, and may still be
+        # at it after a long one) is collected before the first pass
+        g.prefill_draft = self.drafter is not None
+        if not g.prefill_draft:
+            self._settle_assumption(g, commit, None)
         return commit
 
     async def _emit(self, g: Generation, commit, emit) -> str:
