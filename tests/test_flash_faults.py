@@ -59,7 +59,7 @@ def faulty_flash_file(faults: Faults):
     return FaultyFlashFile
 
 
-def generate_all(cfg, target, draft, faults: Faults, steps):
+def generate_all(cfg, target, draft, faults: Faults, steps, tokens: int = TOKENS):
     """Run ``steps`` (callables arming faults, then a generation each) on one pipeline; per step:
     the tokens or the FlashFault, and whether every stream buffer came back."""
     tok = TextTokenizer.from_file(target / "tokenizer.json")
@@ -73,7 +73,7 @@ def generate_all(cfg, target, draft, faults: Faults, steps):
             for step in steps:
                 step()
                 try:
-                    result = (await pipe.generate(tok.encode(PROMPT), TOKENS, SamplingParams(), emit))[0]
+                    result = (await pipe.generate(tok.encode(PROMPT), tokens, SamplingParams(), emit))[0]
                 except FlashFault as exc:
                     result = exc
                 out.append((result, pipe.verifier.taken == set()))
@@ -206,3 +206,16 @@ def test_models_verify_names_each_bad_region_and_exits_non_zero(tiny_bundles, tm
     assert main(["models", "verify", str(damaged)]) == 1
     out = capsys.readouterr().out
     assert "layer 1: checksum mismatch" in out and "1 bad region" in out
+
+
+def test_a_read_fault_on_a_real_streamed_layer_fails_the_request_and_the_next_is_exact(real_bundles):
+    """The same seam on the real pair at 768 MiB: the last layer of the 1.5B target streams from flash."""
+    target, draft = real_bundles
+    cfg = EngineConfig(mode="lever", gamma=16, context=256, dram_budget=768 << 20)
+    faults = Faults()
+    layers = load_bundle(target).layers
+    region, name = layers[-1], f"layer {len(layers) - 1}"
+    steps = [lambda: None, lambda: faults.arm("eio", 10**6, region), lambda: faults.arm(None, 0, None)]
+    (ref, f1), (failed, f2), (after, f3) = generate_all(cfg, target, draft, faults, steps, tokens=8)
+    assert isinstance(ref, list) and isinstance(failed, FlashFault) and name in str(failed)
+    assert after == ref and f1 and f2 and f3
