@@ -470,8 +470,9 @@ class Daemon:
         self.stopping = True
         self._stop.set()
 
-    def admit(self, owner: Any, request_id: int, params: GenerateParams) -> Job:
-        """Queue a generation for ``owner`` (see :class:`Job`) and return its job.
+    def admit(self, owner: Any, request_id: int, params: GenerateParams, n_prompt: int | None = None) -> Job:
+        """Queue a generation for ``owner`` (see :class:`Job`) and return its job; ``n_prompt`` is
+        the prompt's token count when the caller already has it (tokenizing runs on the event loop).
 
         Raises:
             RpcError: ``cancelled`` while shutting down, ``context_overflow`` with both token
@@ -479,7 +480,8 @@ class Daemon:
         """
         if self.stopping:
             raise RpcError(ErrorCode.CANCELLED, "the daemon is shutting down", request_id)
-        n_prompt = self.backend.count_prompt_tokens(params)
+        if n_prompt is None:
+            n_prompt = self.backend.count_prompt_tokens(params)
         if n_prompt + params.max_tokens > self.context_length:
             raise RpcError(ErrorCode.CONTEXT_OVERFLOW,
                            f"the prompt is {n_prompt} tokens and max_tokens is {params.max_tokens}, "

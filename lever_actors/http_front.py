@@ -142,9 +142,10 @@ class HttpFront:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         self._ids += 1
+        conn_id = self._ids  # this connection's, whatever later connections do to the counter
         if len(self.connections) >= self.config.max_connections:
             with trio.move_on_after(1):
-                conn = _HttpConnection(self, stream, self._ids)
+                conn = _HttpConnection(self, stream, conn_id)
                 await conn.send_error(api.ApiError(
                     503, f"too many connections (max {self.config.max_connections})",
                     code="too_many_connections", retry_after=1), close=True)
@@ -153,9 +154,9 @@ class HttpFront:
         with trio.CancelScope() as scope:
             self.connections.add(scope)
             try:
-                await _HttpConnection(self, stream, self._ids).run()
+                await _HttpConnection(self, stream, conn_id).run()
             except ClientGone:
-                log.debug("http conn=%d: the client went away", self._ids)
+                log.debug("http conn=%d: the client went away", conn_id)
             except Exception:  # a bug in one connection must not stop the others
                 log.exception("http conn crashed")
             finally:
@@ -426,11 +427,12 @@ class _HttpConnection:
         params = GenerateParams(prompt=req.prompt, messages=req.messages, max_tokens=req.max_tokens or 1,
                                 temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                 stop=req.stop, mode=None, cache_prompt=req.cache_prompt)
+        n_prompt = None
         if req.max_tokens is None:  # the API's default: whatever room the context leaves
-            room = d.context_length - d.backend.count_prompt_tokens(params)
-            params = replace(params, max_tokens=max(1, min(d.config.max_tokens, room)))
+            n_prompt = d.backend.count_prompt_tokens(params)
+            params = replace(params, max_tokens=max(1, min(d.config.max_tokens, d.context_length - n_prompt)))
         try:
-            return d.admit(exchange, 0, params)
+            return d.admit(exchange, 0, params, n_prompt)
         except RpcError as exc:
             d.counters["rejected_busy" if exc.code == ErrorCode.BUSY else "rejected_invalid"] += 1
             raise _api_error(exc.code, exc.message) from None

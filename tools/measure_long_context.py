@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from lever_actors.engine import parse_size
+from lever_actors.errors import LeverError
 from lever_actors.memory import MemoryCgroup
 
 
@@ -60,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limits", default="768MiB,960MiB", help="cgroup limits, one run each")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    limits = [parse_size(x) for x in args.limits.split(",")]
+    try:
+        limits = [parse_size(x) for x in args.limits.split(",")]
+    except LeverError as exc:
+        p.error(f"--limits: {exc}")
     with tempfile.TemporaryDirectory() as tmp:
         prompt = Path(tmp) / "prompt.txt"
         prompt.write_text(long_prompt(args.prompt_tokens))
