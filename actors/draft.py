@@ -11,21 +11,23 @@ from protocols import DraftExpansion, DraftRequest
 
 
 class Drafter:
-    """Owns the draft model and its KV cache; answers each DraftRequest with a DraftExpansion.
+    """Owns the draft model and its KV cache; answers each DraftRequest with DraftExpansions.
 
     Inputs: ``requests_recv`` (DraftRequest: newly committed tokens, the last one
     being the root, and how much to draft).
-    Outputs: ``out_send`` (DraftExpansion; ``parents`` -1 = child of the root).
-    Invariants: the draft KV holds exactly the committed prefix plus scratch rows
-    of the last draft tree (node i in slot prefix+i); rows on the path that was
-    then committed are kept, not recomputed, and the rest is fed (after a fully
-    accepted chain that includes the last drafted token: the catch-up step).
-    Cross-step drafting: a speculative request (sent while the last tree is
-    verified) commits an *assumed* outcome, its main path plus the draft's own
-    top choice as the next root, and drafts the next tree from it; the
-    assumption stays ``pending`` (KV length before it, tokens assumed) until the
-    next request confirms it or undoes it (keeping the rows the real tokens share
-    with the assumption).
+    Outputs: ``out_send`` (DraftExpansion; ``parents`` -1 = child of the root): one per
+    request, or one per hypothesis of a cross-step request, in order.
+    Invariants: the draft KV holds exactly the committed prefix, then a *scratch tree*
+    (node i in slot prefix+i once fed): everything drafted or assumed below the
+    root. A request's committed tokens walk that tree; rows on the committed path
+    are kept, not recomputed, and when the whole commit was drafted (a hypothesis
+    held) the tree below the new root survives too, moved up next to the prefix.
+    Cross-step drafting: while the target verifies, a request with ``hypotheses``
+    drafts the next tree for each likely outcome (a path of the tree under
+    verification accepted, then the draft's own best guess of the target's next
+    token), every level of every hypothesis in one batched draft call, so they share
+    one read of the draft's weights. Nothing assumed is committed until a later
+    request's tokens say so, so no outcome needs undoing.
     Backpressure: one request at a time on the CPU lane.
     Cancellation: a draft in a thread finishes; its scratch rows are discarded
     by the next request's sync (or its reset).
@@ -40,10 +42,17 @@ class Drafter:
         self.threads = model.lane.threads  # its own setting; a request may borrow more
         self.requests_recv, self.out_send = requests_recv, out_send
         self.lanes, self.tracer = lanes, tracer
-        # the last draft tree: node i sits in KV slot (prefix length + i) once fed
-        self.children: dict[int, dict[int, int]] = {}  # parent node (-1 = root) -> token -> node
-        self.fed: list[bool] = []
-        self.pending: tuple[int, list[int]] | None = None  # (KV length before, tokens assumed)
+        self.root_hidden: np.ndarray | None = None  # final hidden row of the last committed token
+        self.outcomes: list[list[int]] = []  # tokens each hypothesis of the last request assumed
+        self._clear_tree()
+
+    def _clear_tree(self) -> None:
+        # the scratch tree: node i has token tok[i] below par[i] (-1: the root), in KV slot
+        # (committed length + i); hid[i] is its final hidden row once fed, else None
+        self.tok: list[int] = []
+        self.par: list[int] = []
+        self.hid: list[np.ndarray | None] = []
+        self.children: dict[int, dict[int, int]] = {}
 
     def _use_threads(self, n: int) -> None:
         """Kernel threads of this draft (native kernels take them per call; ORT sessions keep theirs)."""
@@ -59,41 +68,37 @@ class Drafter:
         the committed rows (prompt caching). Returns how many rows were kept."""
         keep = self.m.kv.reusable(sequence) if sequence else 0
         self.m.kv.truncate(keep)
-        self.children, self.fed, self.pending = {}, [], None
+        self._clear_tree()
+        self.root_hidden, self.outcomes = None, []
         return keep
-
-    def _undo_speculation(self, actual: list[int]) -> list[int]:
-        """Roll the KV back to before the pending assumption; returns the tokens still to feed
-        (the scratch tree is dropped, so :meth:`_sync` feeds them all)."""
-        base, assumed = self.pending
-        self.pending = None
-        keep = 0
-        while keep < min(len(assumed), len(actual) - 1) and assumed[keep] == actual[keep]:
-            keep += 1  # rows of the shared prefix are right; the root is always fed (its logits)
-        self.m.kv.truncate(base + keep)
-        self.children, self.fed = {}, []
-        return actual[keep:]
-
-    def _speculate(self, path: list[int], hidden: np.ndarray | None = None) -> tuple[int, np.ndarray]:
-        """Commit ``path`` (nodes of the last tree) and the draft's top choice after it: (root, hidden).
-
-        An empty ``path`` assumes from the last committed token, whose ``hidden`` row the caller has.
-        """
-        base = self.m.kv.length
-        if path:
-            hidden = self._sync(path)
-        root = self._token(int(np.argmax(self.head.logits(hidden)[0])))
-        self.pending = (base, path + [root])
-        return root, self._feed([root])
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with self.requests_recv, self.out_send:
             task_status.started()
             async for req in self.requests_recv:
-                await self.out_send.send(await self.lanes.run("cpu", self.draft, req))
+                for exp in await self.lanes.run("cpu", self.draft, req):
+                    await self.out_send.send(exp)
+
+    # -- the scratch tree ----------------------------------------------------------------------------
+
+    def _node(self, parent: int, token: int) -> int:
+        """The scratch node of ``token`` below ``parent``, added (not yet fed) if new."""
+        kids = self.children.setdefault(parent, {})
+        node = kids.get(token)
+        if node is None:
+            if self.m.kv.length + len(self.tok) >= self.m.kv.context:
+                raise RuntimeError("draft scratch tree is out of KV slots")
+            node = kids[token] = len(self.tok)
+            self.tok.append(int(token))
+            self.par.append(parent)
+            self.hid.append(None)
+        return node
+
+    def _free_slots(self) -> int:
+        return self.m.kv.context - self.m.kv.length - len(self.tok)
 
     def _feed(self, tokens: list[int]) -> np.ndarray:
-        """Append committed tokens to the KV; returns the last hidden row."""
+        """Append committed tokens to the KV (the scratch tree must be empty); returns the last hidden row."""
         from lever_actors.model import causal_layout
 
         kv, last = self.m.kv, None
@@ -101,29 +106,111 @@ class Drafter:
             part = tokens[lo:lo + 64]
             p0 = kv.length
             slots = np.arange(p0, p0 + len(part))
-            last = self.m.forward_resident(part, slots, slots, causal_layout(kv.context, p0, len(part)))[-1:]
+            last = self.m.forward_resident(part, slots, slots, causal_layout(kv.context, p0, len(part)))[-1]
             kv.commit(slots, part)
         return last
 
-    def _sync(self, new: list[int]) -> np.ndarray | None:
-        """Commit ``new`` tokens: keep drafted rows on the accepted path, feed the rest.
+    def _feed_nodes(self, nodes: list[int]) -> None:
+        """Run scratch nodes through the draft model in one call (tree attention: a node sees the
+        prefix and its scratch ancestors, fed before or in this same call)."""
+        from lever_actors.model import attention_layout
 
-        Returns the hidden row of the last token fed (the root), or None if nothing was.
-        """
+        nodes = sorted(set(n for n in nodes if self.hid[n] is None))  # parents before children
+        if not nodes:
+            return
+        base = self.m.kv.length
+        visible = []
+        for node in nodes:
+            path, n = [], node
+            while n >= 0:
+                path.append(base + n)
+                n = self.par[n]
+            visible.append(path[::-1])
+        slots = np.asarray([base + n for n in nodes])
+        positions = np.asarray([base + len(v) - 1 for v in visible])
+        hidden = self.m.forward_resident([self.tok[n] for n in nodes], positions, slots,
+                                         attention_layout(self.m.kv.context, base, visible))
+        for n, h in zip(nodes, hidden):
+            self.hid[n] = h
+
+    def _sync(self, new: list[int]) -> None:
+        """Commit ``new`` tokens (the last is the new root): keep the drafted rows on their path,
+        feed the rest; if all of them were drafted, the tree below the new root stays scratch."""
+        if not new:
+            return
         kv = self.m.kv
         base, node, keep = kv.length, -1, []
-        for t in new[:-1]:  # never reuse the root's row: its logits are needed and were not kept
+        for t in new:
             child = self.children.get(node, {}).get(t)
-            if child is None or not self.fed[child]:
+            if child is None or self.hid[child] is None:
                 break
-            keep.append(base + child)
+            keep.append(child)
             node = child
-        kv.commit(keep, new[:len(keep)])  # moves the accepted path's rows next to the prefix
-        self.children, self.fed = {}, []
-        return self._feed(new[len(keep):]) if len(keep) < len(new) else None
+        survivors: list[int] = []
+        if len(keep) == len(new):  # a drafted outcome: its subtree is the next tree's rows
+            inside = {node}
+            for i in range(node + 1, len(self.tok)):  # a node's id is larger than its parent's
+                if self.par[i] in inside:
+                    inside.add(i)
+                    survivors.append(i)
+            self.root_hidden = self.hid[node]
+        kv.commit([base + c for c in keep], new[:len(keep)], [base + s for s in survivors])
+        renum = {node: -1} | {old: i for i, old in enumerate(survivors)}
+        tok, par, hid = self.tok, self.par, self.hid
+        self._clear_tree()
+        for old in survivors:
+            self.tok.append(tok[old])
+            self.par.append(renum[par[old]])
+            self.hid.append(hid[old])
+            self.children.setdefault(self.par[-1], {})[self.tok[-1]] = len(self.tok) - 1
+        if len(keep) < len(new):
+            self.root_hidden = self._feed(new[len(keep):])
 
-    def draft(self, req: DraftRequest) -> DraftExpansion:
-        """Grow a token tree below the root, one batched draft call per level.
+    def _assume(self, hypotheses) -> list[int]:
+        """Scratch nodes of each hypothesis's assumed next root: its path, then the draft's best
+        token after the path outside ``excluded`` (two batched draft calls at most)."""
+        ends = []
+        for path, _, _, _ in hypotheses:
+            missing, node = 1, -1  # its root, and the path nodes not in the tree yet
+            for t in path:
+                node = self.children.get(node, {}).get(t) if node is not None else None
+                missing += node is None
+            if missing > self._free_slots():  # the context is nearly full: no room to draft ahead
+                ends.append(None)
+                continue
+            node = -1
+            for t in path:
+                node = self._node(node, t)
+            ends.append(node)
+        unfed = []
+        for e in ends:
+            n = e
+            while n is not None and n >= 0 and self.hid[n] is None:
+                unfed.append(n)
+                n = self.par[n]
+        self._feed_nodes(unfed)
+        live = [h for h, e in enumerate(ends) if e is not None]
+        roots: list[int | None] = [None] * len(ends)
+        if live:
+            logits = self.head.logits(np.stack([self.root_hidden if ends[h] < 0 else self.hid[ends[h]] for h in live]))
+            for h, row in zip(live, logits):
+                excluded = hypotheses[h][1]
+                if excluded:
+                    row = np.where(self._columns_of(excluded), -np.inf, row)
+                roots[h] = self._node(ends[h], self._token(int(np.argmax(row))))
+        self._feed_nodes([r for r in roots if r is not None])
+        return roots
+
+    def _columns_of(self, tokens) -> np.ndarray:
+        """Mask of the head's columns holding ``tokens``."""
+        ids = np.arange(self.m.vocab) if self.head.ids is None else np.asarray(self.head.ids)
+        return np.isin(ids, np.asarray(tokens, np.int64))
+
+    # -- drafting -----------------------------------------------------------------------------------
+
+    def draft(self, req: DraftRequest) -> list[DraftExpansion]:
+        """Sync the committed tokens, then grow a token tree below the root, or below each
+        hypothesis's assumed root, one batched draft call per level for all of them.
 
         Growth also stops once the best path of the last level is below
         ``min_path_p`` (adaptive depth, set by the planner). Every level scores the children (top ``top_k`` when greedy, sampled without
@@ -133,90 +220,121 @@ class Drafter:
         draft model together, which gives the next level's distributions. A chain
         is the case ``top_k == 1``.
         """
-        from lever_actors.sampling import SamplingParams, probs_from_logits, rng_for
-
         t0 = time.perf_counter()
         self._use_threads(req.threads or self.threads)
-        root, position = req.root_token, req.position
         committed = list(req.committed)
         if req.reset:
             keep = self.reset(committed if req.reuse_prefix else None)
             self.head.set_prompt(req.committed)
             committed = committed[keep:]
-        if self.pending is not None:
-            if req.confirmed:
-                self.pending = None  # the assumption held: it is plain committed history now
-            else:
-                committed = self._undo_speculation(committed)  # scratch rows are gone: feed what is left
-        if req.speculative:
-            # with new tokens (a prompt, during its prefill pass) digest them first
-            hidden = self._sync(committed) if committed else None
-            root, hidden = self._speculate(list(req.assume), hidden)
-            position = req.position + len(req.assume) + 1
+        if req.confirmed_hypothesis >= 0:
+            if req.confirmed_hypothesis >= len(self.outcomes):
+                raise ValueError(f"confirmed hypothesis {req.confirmed_hypothesis} was never assumed")
+            committed = self.outcomes[req.confirmed_hypothesis] + committed
+        self._sync(committed)
+        if self.root_hidden is None and (req.hypotheses or (req.max_depth > 0 and req.max_nodes > 0)):
+            raise RuntimeError("draft request commits nothing new: the root must be newly committed")
+        if req.hypotheses:
+            hyps = list(req.hypotheses)
+            roots = self._assume(hyps)  # None: no room left to assume it (it gets an empty answer)
+            growths = [(-1, 0, 0) if r is None else (r, mn, md) for r, (_, _, mn, md) in zip(roots, hyps)]
+            assumed = [() if r is None else tuple(p) + (self.tok[r],) for r, (p, _, _, _) in zip(roots, hyps)]
+            positions = [req.position + len(a) for a in assumed]
         else:
-            hidden = self._sync(committed)
+            growths, assumed, positions = [(-1, req.max_nodes, req.max_depth)], [()], [req.position]
+        self.outcomes = [list(a) for a in assumed]
+        trees = self._grow(growths, req)
+        self.tracer.add(f"draft {sum(len(t['tokens']) for t in trees)}", "cpu", t0, time.perf_counter())
+        draft_s = time.perf_counter() - t0
+        out = []
+        for h, (tree, (root, _, _)) in enumerate(zip(trees, growths)):
+            out.append(DraftExpansion(
+                session_id=req.session_id, step=req.step, epoch=req.epoch,
+                root_token=req.root_token if root < 0 else self.tok[root], position=positions[h],
+                parents=np.asarray(tree["parents"], np.int32), tokens=np.asarray(tree["tokens"], np.int32),
+                draft_probs=np.asarray(tree["probs"], np.float32), draft_s=draft_s, dists=tree["dists"],
+                alternatives=tree["alts"], assumed=assumed[h], hypothesis=h, of=len(growths)))
+        return out
+
+    def _grow(self, growths: list[tuple[int, int, int]], req: DraftRequest) -> list[dict]:
+        """Grow one tree below each (scratch root, max_nodes, max_depth), all in the same draft calls."""
+        from lever_actors.sampling import SamplingParams
+
         params = SamplingParams(req.temperature, req.top_p, req.seed)
-        parents, tokens, probs, path_p = [], [], [], []
-        dists: dict[int, np.ndarray] = {}  # node (-1 = root) -> distribution its children came from
-        alts: dict[int, np.ndarray] = {}  # node (-1 = root) -> the draft's top tokens after it (greedy)
-        if req.max_depth > 0 and req.max_nodes > 0:
-            if hidden is None:
-                raise RuntimeError("draft request commits nothing new: the root must be newly committed")
-            frontier, rows = [-1], hidden  # nodes whose children we can score now, and their hidden rows
-            for depth in range(req.max_depth):
-                logits = self.head.logits(rows)
+        trees = []
+        for root, max_nodes, max_depth in growths:
+            trees.append({"root": root, "root_token": req.root_token if root < 0 else self.tok[root], "max_nodes": max_nodes, "max_depth": max_depth, "parents": [], "tokens": [],
+                          "probs": [], "path_p": [], "scratch": [], "dists": {}, "alts": {}, "frontier": [-1],
+                          "active": max_nodes > 0 and max_depth > 0})
+        free = self._free_slots()
+        for t in trees:  # a tree needs scratch slots for the nodes it feeds
+            t["max_nodes"] = min(t["max_nodes"], max(free, 0))
+            free -= t["max_nodes"]
+            t["active"] = t["active"] and t["max_nodes"] > 0
+
+        def row_of(t, node):
+            return (self.root_hidden if t["root"] < 0 else self.hid[t["root"]]) if node < 0 else self.hid[t["scratch"][node]]
+
+        depth = 0
+        while any(t["active"] for t in trees):
+            active = [(h, t) for h, t in enumerate(trees) if t["active"]]
+            logits = self.head.logits(np.stack([row_of(t, n) for _, t in active for n in t["frontier"]]))
+            r, feed = 0, []
+            for h, t in active:
                 cands = []
-                for r, node in enumerate(frontier):
+                for node in t["frontier"]:
                     p = self._distribution(logits[r], params)  # over the head's columns
+                    r += 1
+                    key = node + (h << 20)  # hypothesis 0 keeps the random streams of a single tree
                     if params.greedy:  # one top-k selection serves the children and the pruner's rivals
-                        top = self._children(p, min(max(ALTERNATIVES, req.top_k), len(p)), params, req.step, node)
+                        top = self._children(p, min(max(ALTERNATIVES, req.top_k), len(p)), params, req.step, key)
                         children = top[:req.top_k]
-                        alts[node] = self._tokens(top[:ALTERNATIVES])
+                        t["alts"][node] = self._tokens(top[:ALTERNATIVES])
                     else:
-                        dists[node] = self._full_distribution(p)
-                        children = self._children(p, req.top_k, params, req.step, node)
-                    base_p = path_p[node] if node >= 0 else 1.0
+                        t["dists"][node] = self._full_distribution(p)
+                        children = self._children(p, req.top_k, params, req.step, key)
+                    base_p = t["path_p"][node] if node >= 0 else 1.0
                     for col in children:
-                        tok = self._token(col)
-                        cands.append((base_p * float(p[col]), node, tok, float(p[col])))
+                        cands.append((base_p * float(p[col]), node, self._token(col), float(p[col])))
                 cands.sort(key=lambda c: -c[0])
                 # a level holds at most max_nodes/max_depth nodes, so the budget buys depth
-                room = min(req.max_nodes - len(tokens), -(-req.max_nodes // req.max_depth))
+                room = min(t["max_nodes"] - len(t["tokens"]), -(-t["max_nodes"] // t["max_depth"]))
                 level = []
                 for pp, parent, tok, q in cands[:room]:
-                    parents.append(parent)
-                    tokens.append(tok)
-                    probs.append(q)
-                    path_p.append(pp)
-                    level.append(len(tokens) - 1)
-                if not level or len(tokens) >= req.max_nodes or depth + 1 == req.max_depth:
-                    break
-                if max(path_p[n] for n in level) < req.min_path_p:
-                    break  # adaptive depth: the next level would not pay for its drafting time
-                rows = self._feed_level(level, parents, tokens)
-                frontier = level
-        self.tracer.add(f"draft {len(tokens)}", "cpu", t0, time.perf_counter())
-        dist_rows = None
-        if dists:
-            vocab = next(iter(dists.values())).shape[0]
-            dist_rows = np.zeros((len(tokens) + 1, vocab), np.float32)  # row 0: root, row i+1: node i
-            for node, p in dists.items():
+                    t["parents"].append(parent)
+                    t["tokens"].append(tok)
+                    t["probs"].append(q)
+                    t["path_p"].append(pp)
+                    scratch_parent = t["root"] if parent < 0 else t["scratch"][parent]
+                    t["scratch"].append(self._node(scratch_parent, tok))
+                    level.append(len(t["tokens"]) - 1)
+                if (not level or len(t["tokens"]) >= t["max_nodes"] or depth + 1 == t["max_depth"]
+                        or max(t["path_p"][n] for n in level) < req.min_path_p):
+                    t["active"] = False  # full, or (adaptive depth) the next level would not pay for itself
+                else:
+                    t["frontier"] = level
+                    feed.extend(t["scratch"][n] for n in level)
+            self._feed_nodes(feed)
+            depth += 1
+        return [self._rows(t) for t in trees]
+
+    def _rows(self, t: dict) -> dict:
+        """A grown tree's message arrays: distributions and rivals by row (0: its root, i+1: node i)."""
+        n, dist_rows, alt_rows = len(t["tokens"]), None, None
+        if t["dists"]:
+            vocab = next(iter(t["dists"].values())).shape[0]
+            dist_rows = np.zeros((n + 1, vocab), np.float32)
+            for node, p in t["dists"].items():
                 dist_rows[node + 1] = p
-        alt_rows = None
-        if alts:
-            # row 0: root, row i+1: node i; a node never expanded lists its own token (no rival)
-            k = len(next(iter(alts.values())))
-            alt_rows = np.empty((len(tokens) + 1, k), np.int32)
-            alt_rows[0] = root
-            alt_rows[1:] = np.asarray(tokens, np.int32)[:, None]
-            for node, top in alts.items():
+        if t["alts"]:
+            # a node never expanded lists its own token (no rival)
+            k = len(next(iter(t["alts"].values())))
+            alt_rows = np.empty((n + 1, k), np.int32)
+            alt_rows[0] = t["root_token"]
+            alt_rows[1:] = np.asarray(t["tokens"], np.int32)[:, None]
+            for node, top in t["alts"].items():
                 alt_rows[node + 1] = top
-        return DraftExpansion(
-            session_id=req.session_id, step=req.step, epoch=req.epoch, root_token=root,
-            position=position, parents=np.asarray(parents, np.int32), tokens=np.asarray(tokens, np.int32),
-            draft_probs=np.asarray(probs, np.float32), draft_s=time.perf_counter() - t0, dists=dist_rows,
-            alternatives=alt_rows,
-        )
+        return {"parents": t["parents"], "tokens": t["tokens"], "probs": t["probs"], "dists": dist_rows, "alts": alt_rows}
 
     def _token(self, col: int) -> int:
         """The token of one of the head's columns (the subset head's columns are its ``ids``)."""
@@ -254,28 +372,3 @@ class Drafter:
         rng = rng_for(params.seed ^ 0x5EED, step, node + 1)
         nz = int(np.count_nonzero(p))
         return [int(t) for t in rng.choice(len(p), size=min(k, nz), replace=False, p=p)]
-
-    def _feed_level(self, level: list[int], parents: list[int], tokens: list[int]) -> np.ndarray:
-        """Run one tree level through the draft model; its rows go to scratch slots base+node."""
-        from lever_actors.model import attention_layout
-
-        kv = self.m.kv
-        base = kv.length
-        for node in level:  # record the scratch tree for the next request's sync
-            self.children.setdefault(parents[node], {})[tokens[node]] = node
-        while len(self.fed) <= max(level):
-            self.fed.append(False)
-        visible = []
-        for node in level:
-            path, n = [], node
-            while n >= 0:
-                path.append(base + n)
-                n = parents[n]
-            visible.append(path[::-1])
-        slots = np.asarray([base + n for n in level])
-        positions = np.asarray([base + len(v) - 1 for v in visible])
-        hidden = self.m.forward_resident([tokens[n] for n in level], positions, slots,
-                                         attention_layout(kv.context, base, visible))
-        for n in level:
-            self.fed[n] = True
-        return hidden

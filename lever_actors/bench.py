@@ -80,6 +80,8 @@ def summarize(rows: list[dict]) -> dict:
         # cross-step drafting: how often the tree drafted during a pass was the one needed next
         "spec_hits": sum(r["stats"].get("spec_hits", 0) for r in rows),
         "spec_misses": sum(r["stats"].get("spec_misses", 0) for r in rows),
+        # ... of the hits, those on an early stop of the tree rather than its main path (multi-outcome)
+        "spec_early_hits": sum(r["stats"].get("spec_early_hits", 0) for r in rows),
         "draft_hidden_s_per_pass": sum(r["stats"].get("draft_hidden_s", 0) for r in rows) / max(passes, 1),
         "mean_tree_nodes": _median([r["stats"]["mean_tree_nodes"] for r in rows
                                     if r["stats"].get("mean_tree_nodes") is not None]),

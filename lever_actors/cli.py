@@ -51,6 +51,8 @@ ABLATIONS = (
                           "longer pays for its drafting time"),
     ("no-ngram", "lever offers its planner no prompt-lookup branches (what followed the last occurrence of the "
                  "context's last tokens) beside the drafted tree"),
+    ("no-multi-outcome", "lever drafts ahead only for its tree's main path accepted whole, not also for the "
+                         "likeliest early stops (multi-outcome cross-step drafting)"),
     ("core-borrow", "lever's drafts that the verification lane waits for also use its idle threads (measured: "
                     "no gain, so off by default)"),
 )
@@ -61,7 +63,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
-                        "+core-borrow (default "
+                        "+no-multi-outcome / +core-borrow (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",

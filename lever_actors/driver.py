@@ -26,7 +26,7 @@ from lever_actors.memory import release_memory
 from lever_actors.ngram import merge_branch, prompt_lookup
 from lever_actors.planner import NGRAM_PRIOR, LeverPolicy, bucket_for
 from lever_actors.sampling import SamplingParams
-from lever_actors.speculation import CrossStep, main_path
+from lever_actors.speculation import CrossStep, outcome_hypotheses
 from protocols import Abort, DraftRequest, VerifyPlan
 
 TREE_TOP_K = 3  # children scored per node by the tree modes
@@ -37,6 +37,12 @@ NGRAM_BRANCH = 8  # tokens of a prompt-lookup branch offered to the planner
 # drawn path keeps this much draft probability (like a chain of 8, shorter when the draft hesitates)
 SAMPLED_MAX_DEPTH = 8
 SAMPLED_MIN_PATH_P = 0.2
+# multi-outcome cross-step drafting (lever, greedy): besides the main path accepted whole, draft ahead
+# for this many more of the likeliest stops of the tree, if at least this likely. Every hypothesis is
+# then a chain as deep: three rows cost a draft call 10% more than one, a fourth (a second branch
+# for the main one) 10% more again, and measured on HumanEval 0:8 it did not pay (README)
+OUTCOMES_EXTRA = 2
+OUTCOME_MIN_WEIGHT = 0.04
 
 
 @dataclass
@@ -55,6 +61,7 @@ class RunStats:
     draft_busy_s: float = 0.0  # drafter time spent computing them
     spec_hits: int = 0
     spec_misses: int = 0
+    spec_early_hits: int = 0  # ... of the hits, those on an early stop (multi-outcome), not the main path
     ngram_offered: int = 0  # free prompt-lookup nodes offered to the planner (not drafted already)
     ngram_n: int = 0  # ... verified
     ngram_accepted: int = 0  # ... and accepted
@@ -76,6 +83,7 @@ class RunStats:
             "flash_bytes_read": self.flash_bytes, "flash_bytes_per_token": self.flash_bytes / max(self.committed, 1),
             "io_s": io_busy_s, "io_wait_s": self.io_wait_s, "compute_s": self.compute_s, "draft_s": self.draft_s,
             "draft_hidden_s": self.draft_hidden_s, "spec_hits": self.spec_hits, "spec_misses": self.spec_misses,
+            "spec_early_hits": self.spec_early_hits,
             "spec_hit_rate": self.spec_hits / (self.spec_hits + self.spec_misses)
             if self.spec_hits + self.spec_misses else None,
             "ngram_offered": self.ngram_offered, "ngram_n": self.ngram_n, "ngram_accepted": self.ngram_accepted,
@@ -267,7 +275,7 @@ class Pipeline:
                 break
             if g.prefill_draft:
                 g.prefill_draft = False
-                self._settle_assumption(g, commit, await self._receive_draft(g))
+                self._settle_assumption(g, commit, [await self._receive_draft(g) for _ in range(max(g.spec.in_flight, 1))])
             g.step += 1
             t_pass, g.pass_wait_s = time.perf_counter(), 0.0
             tree = self._plan(g, await self._next_tree(g))
@@ -297,11 +305,11 @@ class Pipeline:
         if self.drafter is not None:
             await self.draft_send.send(DraftRequest(
                 session_id=g.sid, step=0, epoch=0, root_token=g.prompt[-1], position=len(g.prompt) - 1,
-                max_nodes=g.draft_cap if ahead else 0, max_depth=g.max_depth if ahead else 0,
-                top_k=g.top_k if ahead else 1, reset=True, speculative=ahead, reuse_prefix=g.reuse,
+                max_nodes=0, max_depth=0, top_k=g.top_k if ahead else 1, reset=True, reuse_prefix=g.reuse,
+                hypotheses=(((), (), g.draft_cap, g.max_depth),) if ahead else (),
                 **g.spec.settle_fields(), **g.sampling))
             if ahead:
-                g.spec.assume([])
+                g.spec.assume(1)
         n = len(g.prompt)
         await self.plan_send.send(VerifyPlan(
             session_id=g.sid, step=0, epoch=0, position=0, tokens=np.asarray(g.prompt, np.int32),
@@ -315,7 +323,7 @@ class Pipeline:
         # at it after a long one) is collected before the first pass
         g.prefill_draft = self.drafter is not None
         if not g.prefill_draft:
-            self._settle_assumption(g, commit, None)
+            self._settle_assumption(g, commit, [])
         return commit
 
     async def _emit(self, g: Generation, commit, emit) -> str:
@@ -397,18 +405,29 @@ class Pipeline:
             prune_threshold=self.prune_threshold if pruning else None, **g.sampling)
 
     async def _draft_ahead(self, g: Generation, tree: Tree) -> None:
-        """Cross-step drafting: while the target verifies, draft the tree that follows the most likely
-        outcome (the main path accepted, then the draft's own next token)."""
+        """Cross-step drafting: while the target verifies, draft the trees that follow its likeliest
+        outcomes (the main path accepted whole, then the draft's own next token; for lever also the
+        likeliest early stops), all in the same draft calls."""
         if not (g.gamma and self.cfg.overlap and tree.drafted):
             return
-        assume = main_path(tree.drafted, tree.parents, tree.probs)
-        if self.eos.intersection(assume) or len(g.out) + len(assume) + 1 >= g.max_tokens:
-            return  # the output ends inside this tree: nothing to draft for
+        limits = self._draft_limits(g, hidden=True)
+        extra = OUTCOMES_EXTRA if self._planning(g) and self.cfg.multi_outcome else 0
+        cond = self.lever.conditional(tree.depths(), np.concatenate([[1.0], tree.probs]), tree.ngram) \
+            if extra else np.concatenate([[1.0], tree.probs])
+        hyps = []
+        for h, (path, excluded, _) in enumerate(outcome_hypotheses(tree.parents, tree.drafted, tree.probs, cond,
+                                                                    1 + extra, OUTCOME_MIN_WEIGHT)):
+            if self.eos.intersection(path) or len(g.out) + len(path) + 1 >= g.max_tokens:
+                if h == 0:
+                    return  # the output ends inside this tree: nothing to draft for
+                continue
+            # with several outcomes every one gets a chain as deep; alone, the main one gets the configured shape
+            nodes = limits["max_depth"] if extra else limits["max_nodes"]
+            hyps.append((path, excluded, nodes, limits["max_depth"]))
         await self.draft_send.send(DraftRequest(
             session_id=g.sid, step=g.step + 1, epoch=0, root_token=g.root, position=g.position, top_k=g.top_k,
-            speculative=True, assume=tuple(assume), **self._draft_limits(g, hidden=True),
-            **g.spec.settle_fields(), **g.sampling))
-        g.spec.assume(assume)
+            hypotheses=tuple(hyps), **limits, **g.spec.settle_fields(), **g.sampling))
+        g.spec.assume(len(hyps))
 
     def _observe(self, g: Generation, tree: Tree, commit, ps, pass_s: float) -> None:
         st, n = g.stats, len(commit.tokens)
@@ -438,16 +457,16 @@ class Pipeline:
         g.prev_accepted = commit.accepted_nodes
 
     async def _settle(self, g: Generation, commit) -> None:
-        """Collect the tree drafted ahead (if one is in flight) and see whether its assumption held."""
-        exp = await self._receive_draft(g) if g.spec.assumed is not None else None
-        if exp is not None:  # it also fed the assumed path and its root
-            self.lever.pace.observe_draft(exp.draft_s, expansion_depth(exp) + 2)
-        self._settle_assumption(g, commit, exp)
+        """Collect the trees drafted ahead (if a request is in flight) and see whether an assumption held."""
+        exps = [await self._receive_draft(g) for _ in range(g.spec.in_flight)]
+        if exps:  # it also fed the assumed paths and their roots: two calls
+            self.lever.pace.observe_draft(exps[0].draft_s, max(expansion_depth(e) for e in exps) + 2, hidden=True)
+        self._settle_assumption(g, commit, exps)
 
-    def _settle_assumption(self, g: Generation, commit, exp) -> None:
+    def _settle_assumption(self, g: Generation, commit, exps: list) -> None:
         g.root = int(commit.tokens[-1])
-        g.spec.settle(list(commit.tokens), exp)
-        g.stats.spec_hits, g.stats.spec_misses = g.spec.hits, g.spec.misses
+        g.spec.settle(list(commit.tokens), exps)
+        g.stats.spec_hits, g.stats.spec_misses, g.stats.spec_early_hits = g.spec.hits, g.spec.misses, g.spec.early_hits
 
     def _finish(self, g: Generation, finish: str, io_before: int, t_io0: float, t_start: float,
                 t_decode: float) -> tuple[list[int], str, dict]:
@@ -477,7 +496,8 @@ class Pipeline:
         g.pass_wait_s += waited
         if exp.step > 0:  # (step 0 also digests the prompt)
             g.stats.draft_tokens += len(exp.tokens)
-            g.stats.draft_busy_s += exp.draft_s
+            if exp.hypothesis == 0:  # the expansions of one request share its drafting time
+                g.stats.draft_busy_s += exp.draft_s
         return exp
 
     async def _receive(self, chan, sid: int):

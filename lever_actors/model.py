@@ -62,14 +62,21 @@ class KVCache:
         self.k[layer][:, slots, :] = k_new
         self.v[layer][:, slots, :] = v_new
 
-    def commit(self, slots: list[int] | np.ndarray, tokens=None) -> None:
+    def commit(self, slots: list[int] | np.ndarray, tokens=None, scratch=()) -> None:
         """Keep the rows in ``slots`` (in order) as the next committed positions; ``tokens`` are
-        their token ids (without them the cache no longer knows its sequence: no reuse)."""
+        their token ids (without them the cache no longer knows its sequence: no reuse).
+
+        ``scratch`` rows (in order) move to the slots right after them and stay scratch: the
+        part of a draft tree that lies below the newly committed tokens survives the commit.
+        """
         slots = np.asarray(slots, dtype=np.int64)
-        dst = np.arange(self.length, self.length + len(slots))
-        if not np.array_equal(slots, dst):
-            self.k[:, :, dst, :] = self.k[:, :, slots, :]
-            self.v[:, :, dst, :] = self.v[:, :, slots, :]
+        src = np.concatenate([slots, np.asarray(scratch, dtype=np.int64)])
+        dst = np.arange(self.length, self.length + len(src))
+        if len(dst) and dst[-1] >= self.context:
+            raise ValueError(f"KV commit past the context ({self.context} slots)")
+        if not np.array_equal(src, dst):  # fancy indexing copies the sources before any is overwritten
+            self.k[:, :, dst, :] = self.k[:, :, src, :]
+            self.v[:, :, dst, :] = self.v[:, :, src, :]
         self.length += len(slots)
         if tokens is None or self.tokens is None or len(tokens) != len(slots):
             self.tokens = None

@@ -188,15 +188,19 @@ class DraftPace:
 
     alpha: float = 0.25
     level_s: float | None = None
+    hidden_level_s: float | None = None  # a level drafted ahead: several hypotheses' rows per call
     verify_s: float | None = None
     rate: float | None = None
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
-    def observe_draft(self, draft_s: float, calls: int) -> None:
+    def observe_draft(self, draft_s: float, calls: int, hidden: bool = False) -> None:
         if calls > 0 and draft_s > 0:
-            self.level_s = self._ema(self.level_s, draft_s / calls)
+            if hidden:
+                self.hidden_level_s = self._ema(self.hidden_level_s, draft_s / calls)
+            else:
+                self.level_s = self._ema(self.level_s, draft_s / calls)
 
     def observe_pass(self, committed: int, pass_s: float, waited_s: float) -> None:
         if pass_s > 0:
@@ -211,8 +215,8 @@ class DraftPace:
         """(depth cap, least path probability worth another level) of the next draft."""
         if not self.ready:
             return max_depth, 0.0
-        if hidden:  # the speculative request also feeds the assumed path and its root: two calls more
-            depth = int(self.verify_s / self.level_s) - 2
+        if hidden:  # the speculative request also feeds the assumed paths and their roots: two calls more
+            depth = int(self.verify_s / (self.hidden_level_s or self.level_s)) - 2
             return max(1, min(max_depth, depth)), min(self.rate * node_s, 0.9)
         return max_depth, min(self.rate * (self.level_s + node_s), 0.9)
 

@@ -145,7 +145,7 @@ class LayerReleased(PipelineMessage):
 class DraftRequest(PipelineMessage):
     """-> Drafter: grow a candidate tree below ``root_token`` at sequence ``position``."""
     KIND: ClassVar[str] = "draft.request"
-    VERSION: ClassVar[int] = 6
+    VERSION: ClassVar[int] = 7
     root_token: int
     position: int        # sequence position of root_token
     max_nodes: int
@@ -158,16 +158,6 @@ class DraftRequest(PipelineMessage):
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    # v3: cross-step drafting. A speculative request arrives while the last tree is being
-    # verified: the drafter assumes ``assume`` (a path of that tree) is accepted and that its
-    # own top choice follows it as the new root, and drafts the next tree from there
-    # (``root_token``/``position`` are then ignored; the expansion names the root it chose).
-    # Every request settles the pending speculation first: ``confirmed`` (the assumption held,
-    # ``committed`` then counts from after it) or not (undo it, keeping the rows the
-    # committed tokens share with it).
-    speculative: bool = False
-    assume: tuple[int, ...] = ()
-    confirmed: bool = False
     # v4: adaptive depth. Stop growing the tree once the most probable path of the last level
     # drawn is below ``min_path_p`` (its next level would not pay for its drafting time)
     min_path_p: float = 0.0
@@ -177,6 +167,22 @@ class DraftRequest(PipelineMessage):
     # v6: prompt caching. With ``reset``, keep the KV rows of the longest prefix the new
     # sequence (``committed``) shares with the drafter's committed rows, and feed only the rest
     reuse_prefix: bool = False
+    # v7: cross-step drafting over several outcomes (replaces v3's ``speculative``/``assume``/
+    # ``confirmed``). With ``hypotheses`` the request arrives while the last tree is verified: the
+    # drafter drafts one next tree per assumed outcome, batching every hypothesis's level into one
+    # draft call, and answers with one DraftExpansion per hypothesis, in order (``root_token`` and
+    # ``position`` then name the current root; each expansion names the root it assumed).
+    # A hypothesis is ``(path, excluded, max_nodes, max_depth)``: the tree path ``path`` (tokens
+    # from the root) is accepted, then the target's next token is the draft's own best token
+    # after it outside ``excluded`` (the path end's children in the verified tree, refused if the
+    # target stopped there); below that token the drafter drafts at most ``max_nodes`` nodes in
+    # ``max_depth`` levels.
+    # ``committed`` always lists the tokens committed since the last request, whatever was
+    # assumed: the drafter keeps the rows a committed outcome shares with what it drafted.
+    # ``confirmed_hypothesis`` >= 0 says instead that hypothesis of the last request held and
+    # ``committed`` counts from after it (what v6's ``confirmed`` said of its one assumption).
+    hypotheses: tuple[tuple[tuple[int, ...], tuple[int, ...], int, int], ...] = ()
+    confirmed_hypothesis: int = -1
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -198,12 +204,26 @@ class DraftRequest(PipelineMessage):
     def upgrade_from_5(body: dict) -> dict:
         return body  # v6 only adds a field with a default
 
+    @staticmethod
+    def upgrade_from_6(body: dict) -> dict:
+        # v6's single assumption is one hypothesis: its path, then the draft's own top choice
+        assume, speculative = body.pop("assume", ()), body.pop("speculative", False)
+        body["confirmed_hypothesis"] = 0 if body.pop("confirmed", False) else -1
+        if speculative:
+            body["hypotheses"] = ((tuple(assume), (), body.get("max_nodes", 0), body.get("max_depth", 0)),)
+        return body
+
     def _check(self) -> None:
         _non_negative(self, "root_token", "position", "max_nodes", "max_depth", "threads")
         if self.top_k < 1:
             raise ValueError("DraftRequest.top_k must be >= 1")
         if not 0.0 <= self.min_path_p <= 1.0:  # also rejects NaN
             raise ValueError(f"DraftRequest.min_path_p must lie in [0, 1], got {self.min_path_p}")
+        if self.confirmed_hypothesis < -1:
+            raise ValueError("DraftRequest.confirmed_hypothesis must be -1 (none) or a hypothesis index")
+        for path, excluded, max_nodes, max_depth in self.hypotheses:
+            if min(path + excluded, default=0) < 0 or max_nodes < 0 or max_depth < 0:
+                raise ValueError("DraftRequest.hypotheses: tokens and limits must be >= 0")
 
 
 @register
@@ -215,7 +235,7 @@ class DraftExpansion(PipelineMessage):
     is the draft's conditional probability of ``tokens[i]`` given its parent path.
     """
     KIND: ClassVar[str] = "draft.expansion"
-    VERSION: ClassVar[int] = 3
+    VERSION: ClassVar[int] = 4
     root_token: int
     position: int        # sequence position of root_token, echoed from the request
     parents: np.ndarray      # int32 [n]
@@ -227,6 +247,12 @@ class DraftExpansion(PipelineMessage):
     # v3: the draft's top tokens after the root (row 0) and after each node (row i+1), best
     # first: the pruner's competitors when it scores a child against its alternatives
     alternatives: np.ndarray | None = None  # int32 [n+1, k]
+    # v4: an answer to hypothesis ``hypothesis`` of ``of`` in its request: the tree was drafted
+    # assuming the pass commits ``assumed`` (the hypothesis's path, then ``root_token``); empty
+    # for a tree below the committed root
+    assumed: tuple[int, ...] = ()
+    hypothesis: int = 0
+    of: int = 1
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -235,6 +261,10 @@ class DraftExpansion(PipelineMessage):
     @staticmethod
     def upgrade_from_2(body: dict) -> dict:
         return body  # v3 only adds a field with a default
+
+    @staticmethod
+    def upgrade_from_3(body: dict) -> dict:
+        return body  # v4 only adds fields with defaults
 
     def _check(self) -> None:
         _non_negative(self, "root_token", "position")
@@ -248,6 +278,8 @@ class DraftExpansion(PipelineMessage):
             raise ValueError("DraftExpansion.draft_probs must lie in [0, 1]")
         _seconds(self, "draft_s")
         _alternatives(self, n + 1)
+        if not 0 <= self.hypothesis < max(self.of, 1):
+            raise ValueError("DraftExpansion.hypothesis must lie in [0, of)")
 
 
 @register

@@ -1,9 +1,10 @@
 """Cross-step drafting keeps the draft's KV cache exact whatever the verdict.
 
-A speculative request commits an assumed outcome; the next request confirms it
-or undoes it. Either way the cache must end up holding exactly the rows a
-drafter that never speculated would hold (the draft model is batch-invariant,
-so "exactly" means bit for bit), or later drafts would silently get worse.
+A cross-step request drafts ahead under several assumed outcomes; the next
+request's committed tokens say which (if any) held. Either way the cache must end
+up holding exactly the rows a drafter that never speculated would hold (the draft
+model is batch-invariant, so "exactly" means bit for bit), or later drafts would
+silently get worse.
 """
 from __future__ import annotations
 
@@ -35,48 +36,104 @@ def _prefix(d: Drafter) -> tuple[np.ndarray, np.ndarray]:
     return d.m.kv.k[:, :, :n].copy(), d.m.kv.v[:, :, :n].copy()
 
 
-@pytest.mark.parametrize("verdict", ["confirmed", "diverges-at-0", "diverges-at-2", "all-but-bonus"])
+def _check_rows(d: Drafter, bundle, sequence: list[int]) -> None:
+    """The drafter's committed rows are exactly a plain prefill of ``sequence``, bit for bit."""
+    ref = Transformer(load_bundle(bundle), CONTEXT, LaneConfig())
+    ref.prefill(sequence)
+    assert d.m.kv.length == len(sequence)
+    for a, b in zip(_prefix(d), (ref.kv.k[:, :, :len(sequence)], ref.kv.v[:, :, :len(sequence)])):
+        np.testing.assert_array_equal(a, b)
+
+
+def _first(d: Drafter, **kw):
+    return d.draft(_req(0, root_token=PROMPT[-1], position=len(PROMPT) - 1, committed=tuple(PROMPT), reset=True, **kw))
+
+
+@pytest.mark.parametrize("verdict", ["main-held", "second-held", "diverges-at-0", "diverges-at-2", "all-but-bonus"])
 def test_speculation_then_verdict_leaves_the_exact_cache(tiny_bundles, verdict):
-    spec, plain = _drafter(tiny_bundles[1]), _drafter(tiny_bundles[1])
-    first = _req(0, root_token=PROMPT[-1], position=len(PROMPT) - 1, committed=tuple(PROMPT), reset=True)
-    tree = spec.draft(first)
-    plain.draft(first)
+    """Two outcomes drafted ahead; whichever holds (or none), the committed rows are exact, and a
+    held outcome's next tree is what a drafter that never speculated drafts after it."""
+    spec = _drafter(tiny_bundles[1])
+    (tree,) = _first(spec)
     chain = [int(t) for t in tree.tokens]
-    guess = spec.draft(_req(1, position=len(PROMPT) - 1, speculative=True, assume=tuple(chain)))
-    assumed = chain + [int(guess.root_token)]
-    actual = {"confirmed": assumed,
+    main, second = spec.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1,
+                                   hypotheses=((tuple(chain), (), 4, 4), ((), (chain[0],), 3, 3))))
+    assert main.assumed[:-1] == tuple(chain) and second.assumed[:-1] == () and second.assumed[0] != chain[0]
+    assert (main.hypothesis, main.of, second.hypothesis) == (0, 2, 1)
+    assert main.position == len(PROMPT) - 1 + len(main.assumed) and second.position == len(PROMPT)
+    actual = {"main-held": list(main.assumed),
+              "second-held": list(second.assumed),
               "diverges-at-0": [(chain[0] + 1) % 50],
               "diverges-at-2": chain[:2] + [(chain[2] + 1) % 50],
-              "all-but-bonus": chain + [(int(guess.root_token) + 1) % 50]}[verdict]
-    if verdict == "confirmed":
-        spec.draft(_req(2, speculative=True, assume=(int(guess.tokens[0]),), confirmed=True,
-                        position=len(PROMPT) + len(assumed) - 1))
-        plain.draft(_req(1, root_token=actual[-1], position=len(PROMPT) + len(actual) - 1, committed=tuple(actual)))
-        plain.draft(_req(2, speculative=True, assume=(int(guess.tokens[0]),), position=len(PROMPT) + len(actual) - 1))
-    else:
-        spec.draft(_req(2, root_token=actual[-1], position=len(PROMPT) + len(actual) - 1, committed=tuple(actual)))
-        plain.draft(_req(1, root_token=actual[-1], position=len(PROMPT) + len(actual) - 1, committed=tuple(actual)))
-    assert spec.m.kv.length == plain.m.kv.length
-    for a, b in zip(_prefix(spec), _prefix(plain)):
-        np.testing.assert_array_equal(a, b)
+              "all-but-bonus": chain + [(int(main.root_token) + 1) % 50]}[verdict]
+    nxt = _req(2, root_token=actual[-1], position=len(PROMPT) + len(actual) - 1, committed=tuple(actual))
+    (after,) = spec.draft(nxt)
+    _check_rows(spec, tiny_bundles[1], PROMPT + actual)
+    plain = _drafter(tiny_bundles[1])
+    plain.draft(_req(0, root_token=actual[-1], position=len(PROMPT) + len(actual) - 1,
+                     committed=tuple(PROMPT + actual), reset=True, max_nodes=0, max_depth=0))
+    (want,) = plain.draft(_req(2, root_token=actual[-1], position=len(PROMPT) + len(actual) - 1))
+    np.testing.assert_array_equal(after.tokens, want.tokens)
+    np.testing.assert_array_equal(after.parents, want.parents)
+    if verdict in ("main-held", "second-held"):  # drafted ahead: the same tree, found in the scratch rows
+        held = main if verdict == "main-held" else second
+        np.testing.assert_array_equal(held.tokens[:len(want.tokens)], want.tokens[:len(held.tokens)])
+
+
+def test_held_outcome_keeps_its_subtree_rows_through_further_commits(tiny_bundles):
+    """A hit moves the tree drafted below the outcome up next to the prefix; committing its path later
+    uses those rows, and they are exactly what feeding the tokens would give."""
+    d = _drafter(tiny_bundles[1])
+    (tree,) = _first(d, max_nodes=3, max_depth=3)
+    path = [int(t) for t in tree.tokens]
+    (h,) = d.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=((tuple(path), (), 4, 4),)))
+    outcome = list(h.assumed)
+    below = [int(t) for t in h.tokens]
+    for step, commit in enumerate([outcome, below[:2], below[2:] + [7]], start=2):
+        d.draft(_req(step, root_token=commit[-1], position=0, committed=tuple(commit), max_nodes=2, max_depth=2))
+    _check_rows(d, tiny_bundles[1], PROMPT + outcome + below + [7])
+
+
+def test_a_v6_style_confirmation_commits_the_assumed_outcome(tiny_bundles):
+    """``confirmed_hypothesis`` stands for the tokens that hypothesis assumed (what v6 said with ``confirmed``)."""
+    d = _drafter(tiny_bundles[1])
+    (tree,) = _first(d)
+    (h,) = d.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=((tuple(tree.tokens[:2].tolist()), (), 4, 4),)))
+    d.draft(_req(2, root_token=9, position=0, committed=(9,), confirmed_hypothesis=0, max_nodes=2, max_depth=2))
+    _check_rows(d, tiny_bundles[1], PROMPT + list(h.assumed) + [9])
+    with pytest.raises(ValueError, match="never assumed"):
+        d.draft(_req(3, root_token=9, position=0, confirmed_hypothesis=3))
+
+
+def test_nodes_and_their_ancestors_fed_in_one_call_match_feeding_them_apart(tiny_bundles):
+    """Tree attention: a path of undrafted nodes (a prompt-lookup branch) is fed in one draft call."""
+    d = _drafter(tiny_bundles[1])
+    _first(d, max_nodes=0, max_depth=0)
+    a = d._node(-1, 3)
+    b = d._node(a, 4)
+    d._feed_nodes([b, a])
+    d._sync([3, 4, 8])
+    _check_rows(d, tiny_bundles[1], PROMPT + [3, 4, 8])
 
 
 @pytest.mark.parametrize("hit", [True, False])
 def test_speculating_on_the_first_token_during_prefill(tiny_bundles, hit):
     """The reset request may already assume the first token (the target is still prefilling)."""
-    spec, plain = _drafter(tiny_bundles[1]), _drafter(tiny_bundles[1])
-    first = _req(0, root_token=PROMPT[-1], position=len(PROMPT) - 1, committed=tuple(PROMPT), reset=True)
-    guess = spec.draft(first.__class__(**{**_fields(first), "speculative": True}))
-    assert len(guess.tokens) > 0 and guess.position == len(PROMPT)
+    spec = _drafter(tiny_bundles[1])
+    (guess,) = _first(spec, max_nodes=0, max_depth=0, hypotheses=(((), (), 4, 4),))
+    assert len(guess.tokens) > 0 and guess.position == len(PROMPT) and guess.assumed == (guess.root_token,)
     token = int(guess.root_token) if hit else (int(guess.root_token) + 1) % 50
-    plain.draft(first.__class__(**{**_fields(first), "max_nodes": 0, "max_depth": 0}))
-    nxt = _req(1, root_token=token, position=len(PROMPT), committed=(token,))
-    if not hit:  # a hit needs no request: the driver verifies the tree it already has
-        spec.draft(nxt)
-    plain.draft(nxt)
-    assert spec.m.kv.length == plain.m.kv.length
-    for a, b in zip(_prefix(spec), _prefix(plain)):
-        np.testing.assert_array_equal(a, b)
+    spec.draft(_req(1, root_token=token, position=len(PROMPT), committed=(token,)))
+    _check_rows(spec, tiny_bundles[1], PROMPT + [token])
+
+
+def test_excluded_tokens_are_never_the_assumed_next_token(tiny_bundles):
+    d = _drafter(tiny_bundles[1])
+    (tree,) = _first(d, max_nodes=0, max_depth=0)
+    (free,) = d.draft(_req(1, root_token=PROMPT[-1], position=0, hypotheses=(((), (), 1, 1),)))
+    best = int(free.assumed[0])
+    (other,) = d.draft(_req(2, root_token=PROMPT[-1], position=0, hypotheses=(((), (best,), 1, 1),)))
+    assert other.assumed[0] != best
 
 
 def _fields(msg) -> dict:
@@ -89,8 +146,8 @@ def test_alternatives_list_the_drafts_top_tokens_after_every_expanded_node(tiny_
     """The pruner's rivals: row 0 after the root, row i+1 after node i, best first, holding every
     child drafted there; a node never scored lists only its own token."""
     d = _drafter(tiny_bundles[1])
-    exp = d.draft(_req(0, root_token=PROMPT[-1], position=len(PROMPT) - 1, committed=tuple(PROMPT), reset=True,
-                       max_nodes=12, max_depth=4, top_k=3))
+    (exp,) = d.draft(_req(0, root_token=PROMPT[-1], position=len(PROMPT) - 1, committed=tuple(PROMPT), reset=True,
+                          max_nodes=12, max_depth=4, top_k=3))
     alt, parents, tokens = exp.alternatives, exp.parents, exp.tokens
     assert alt.shape == (len(tokens) + 1, 4) and alt.dtype == np.int32
     expanded = {-1} | {int(p) for p in parents}
@@ -104,3 +161,15 @@ def test_alternatives_list_the_drafts_top_tokens_after_every_expanded_node(tiny_
             assert own or len(set(alt[v + 1].tolist())) == 4
     # row 0 is the draft's own ranking after the root: its best is the first drafted child
     assert alt[0][0] == tokens[0]
+
+
+def test_a_nearly_full_context_drafts_ahead_what_fits_and_answers_every_hypothesis(tiny_bundles):
+    d = _drafter(tiny_bundles[1])
+    long = (PROMPT * 40)[:CONTEXT - 3]
+    d.draft(_req(0, root_token=long[-1], position=len(long) - 1, committed=tuple(long), reset=True, max_nodes=0,
+                 max_depth=0))
+    out = d.draft(_req(1, root_token=long[-1], position=len(long) - 1,
+                       hypotheses=(((), (), 8, 4), ((1, 2, 3), (), 4, 4))))
+    assert [e.hypothesis for e in out] == [0, 1] and all(e.of == 2 for e in out)
+    assert len(out[0].tokens) + 1 <= 3 and out[1].assumed == () and len(out[1].tokens) == 0
+    assert d.m.kv.length + len(d.tok) <= CONTEXT

@@ -100,7 +100,7 @@ def test_the_subset_drafter_proposes_only_subset_and_prompt_tokens(tiny_bundles,
     async def main():
         async with open_pipeline(cfg, target, trimmed_draft, set()) as pipe:
             d = pipe.drafter
-            exp = d.draft(DraftRequest(session_id=1, step=1, epoch=0, root_token=ids[-1], position=len(ids) - 1,
+            (exp,) = d.draft(DraftRequest(session_id=1, step=1, epoch=0, root_token=ids[-1], position=len(ids) - 1,
                                        max_nodes=12, max_depth=3, top_k=3, committed=tuple(ids), reset=True))
             return exp, set(d.head.ids.tolist())
 

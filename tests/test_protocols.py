@@ -156,7 +156,10 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
     Abort: _with_header(Abort, reason=st.text(max_size=40)),
     DraftRequest: _with_header(DraftRequest, root_token=TOKENS, position=U31, max_nodes=U31,
                                max_depth=U31, top_k=st.integers(1, 64), min_path_p=st.floats(0, 1),
-                               threads=st.integers(0, 64)),
+                               threads=st.integers(0, 64), confirmed_hypothesis=st.integers(-1, 8),
+                               hypotheses=st.lists(st.tuples(st.lists(TOKENS, max_size=4).map(tuple),
+                                                             st.lists(TOKENS, max_size=3).map(tuple), U31, U31),
+                                                   max_size=3).map(tuple)),
     DraftExpansion: draft_expansions(),
     VerifyPlan: verify_plans(),
     ExitHidden: _with_header(ExitHidden, layer=U31, node_ids=node_ids(), handle=U31),
@@ -726,3 +729,13 @@ class NotADataclass(Message):
 def test_register_refuses_non_messages(cls):
     with pytest.raises(TypeError):
         register(cls, registry={})
+
+
+def test_a_v6_draft_request_becomes_one_hypothesis():
+    """v6 assumed one outcome (a path, then the draft's top choice) and confirmed it with a flag."""
+    old = decode((GOLDEN_DIR / "draft.request.v6.msgpack").read_bytes())
+    assert old.hypotheses == (((198, 220), (), old.max_nodes, old.max_depth),)
+    assert old.confirmed_hypothesis == 0
+    plain = decode(pack_envelope("draft.request", 6, {"session_id": 1, "step": 2, "epoch": 0, "root_token": 5,
+                                                      "position": 9, "max_nodes": 4, "max_depth": 4, "top_k": 1}))
+    assert plain.hypotheses == () and plain.confirmed_hypothesis == -1

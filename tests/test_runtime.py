@@ -85,6 +85,23 @@ def test_greedy_speculation_equals_resident_ar(tiny_bundles, unrelated_draft, ti
         assert stats["spec_misses"] > stats["spec_hits"]  # wrong guesses are undone, output unchanged
 
 
+def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundles, ar_tokens):
+    """lever drafts ahead for its tree's likeliest early stops too: some passes find their tree ready
+    after a partial acceptance (never with +no-multi-outcome), and the output is the same."""
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    runs = {}
+    for multi in (True, False):
+        cfg = EngineConfig(mode="lever", gamma=16, context=CONTEXT, dram_budget=24 * 2**20, multi_outcome=multi)
+        toks, stats, _ = trio.run(generate, cfg, target, draft, ids)
+        assert toks == ar_tokens
+        runs[multi] = stats
+    assert runs[False]["spec_early_hits"] == 0
+    assert runs[True]["spec_early_hits"] > 0
+    assert runs[True]["spec_hits"] > runs[True]["spec_early_hits"]  # the main path still holds most often
+    assert runs[True]["spec_hits"] > runs[False]["spec_hits"]
+
+
 def _min_budget(target, draft=None) -> int:
     """The smallest budget the planner accepts (found from its own refusal message)."""
     cfg = EngineConfig(mode="flash-ar", context=CONTEXT, dram_budget=1)
@@ -225,7 +242,8 @@ def test_draft_cache_holds_exactly_the_committed_sequence(tiny_bundles, unrelate
     """Whatever cross-step drafting guessed, the draft's committed KV rows are those of prompt + output.
 
     Losslessness cannot see a drafter that kept a wrong guess (the target corrects every token);
-    this can: the rows must equal a plain prefill of the same tokens, bit for bit.
+    this can: the rows must equal a plain prefill of the same tokens, bit for bit, including the
+    rows lever's drafter drafted ahead under several outcomes and kept when one held.
     """
     import numpy as np
 
@@ -240,7 +258,7 @@ def test_draft_cache_holds_exactly_the_committed_sequence(tiny_bundles, unrelate
     toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
     assert stats["spec_hits"] + stats["spec_misses"] > 0
     d = pipe.drafter
-    n = d.pending[0] if d.pending else d.m.kv.length  # a last assumption may still be pending
+    n = d.m.kv.length  # assumptions are never committed: only what a later request said was
     assert len(ids) <= n <= len(ids) + len(toks)
     ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig())
     ref.prefill((ids + toks)[:n])
