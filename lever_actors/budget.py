@@ -31,6 +31,7 @@ class BudgetPlan:
     slot_bytes: int
     layer_bytes: tuple[int, ...] = field(default=())
     weight_factor: float = 1.0  # DRAM per byte of a pinned layer
+    trade: str = ""  # what the context length costs in pinned layers (see :func:`context_trade`)
 
     @property
     def pinned_bytes(self) -> int:
@@ -47,7 +48,29 @@ class BudgetPlan:
         parts.append(f"{len(self.pinned)} pinned layers {mib(self.pinned_bytes)}")
         parts.append(f"{self.n_slots} stream slots x {mib(self.slot_bytes)}")
         cap = "unlimited" if self.budget is None else mib(self.budget)
-        return f"DRAM {mib(self.total)} of {cap}: " + ", ".join(parts)
+        return f"DRAM {mib(self.total)} of {cap}: " + ", ".join(parts) + (f"; {self.trade}" if self.trade else "")
+
+
+def context_trade(plan: BudgetPlan, base: BudgetPlan | None, context: int, base_context: int) -> str:
+    """In words, what ``context`` costs against ``base_context`` under the same budget: the memory
+    its KV rows and activations take, paid for with pinned layers (which then stream every pass)."""
+    mib = lambda n: f"{abs(n) / 2**20:,.0f} MiB"  # noqa: E731
+    per_context = ("target_kv", "draft_kv", "activations")
+    grow = sum(plan.items.get(k, 0) for k in per_context)
+    if base is None:
+        return (f"a {context}-token context takes {mib(grow)} of KV rows and activations; "
+                f"at {base_context} tokens this budget would not run at all")
+    delta = grow - sum(base.items.get(k, 0) for k in per_context)
+    lost = len(base.pinned) - len(plan.pinned)
+    slots = base.n_slots - plan.n_slots
+    more, less = ("more", "fewer") if delta >= 0 else ("less", "more")
+    what = f"{abs(lost)} {less} pinned layers ({len(plan.pinned)} instead of {len(base.pinned)})" if lost else \
+        "no pinned layer"
+    if slots:
+        what += f" and {abs(slots)} {'fewer' if slots > 0 else 'more'} stream slots"
+    head = " and streams the LM head" if plan.head_streamed and not base.head_streamed else ""
+    return (f"a {context}-token context takes {mib(delta)} {more} for KV rows and activations than {base_context} "
+            f"tokens: {what}{head}")
 
 
 def spread(n: int, s: int) -> tuple[int, ...]:

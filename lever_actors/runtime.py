@@ -24,10 +24,10 @@ from actors.accept import Acceptor
 from actors.draft import Drafter
 from actors.flash_prefetch import FlashPrefetcher, StreamStage
 from actors.npu_verify import NpuVerifier
-from lever_actors.budget import BudgetPlan, plan_budget
+from lever_actors.budget import BudgetPlan, context_trade, plan_budget
 from lever_actors.bundle import load_bundle, read_region
 from lever_actors.driver import Pipeline, RunStats  # noqa: F401 - the pipeline open_pipeline yields
-from lever_actors.errors import ConfigError, ModelIncompatible
+from lever_actors.errors import BudgetError, ConfigError, ModelIncompatible
 from lever_actors.flashio import FlashFile, aligned_buffer
 from lever_actors.lanes import ThreadLanes
 from lever_actors.model import Transformer
@@ -54,6 +54,9 @@ def kv_bytes(layout: str, precision: str) -> int:
     return np.dtype(kv_dtype(layout, precision)).itemsize
 
 
+TRADE_CONTEXT = 1024  # the default context: plans at other lengths say what they cost against it
+
+
 def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None = None) -> BudgetPlan:
     """The DRAM plan of a pipeline. A budget bounds the whole process, so the runtime's own memory
     (its baseline, measured at start-up, and headroom for transients) is a line item too."""
@@ -75,8 +78,18 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
         raise ConfigError(
             f"{target.path} has the {target.layout!r} layout, which cannot stream from flash; "
             "use --mode resident-ar or convert the GGUF with --layout native")
-    return plan_budget(budget, items, target.layer_bytes(), [r.nbytes for r in target.head_chunks],
+    plan = plan_budget(budget, items, target.layer_bytes(), [r.nbytes for r in target.head_chunks],
                        in_place=target.layout == "native")
+    if budget is not None and cfg.context != TRADE_CONTEXT:  # say what the context length costs
+        from dataclasses import replace
+
+        base_cfg = replace(cfg, context=TRADE_CONTEXT)
+        try:
+            base = build_budget(base_cfg, target, draft_bundle, draft_bytes, extra)
+        except BudgetError:
+            base = None
+        plan = replace(plan, trade=context_trade(plan, base, cfg.context, TRADE_CONTEXT))
+    return plan
 
 
 def _draft_weight_bytes(bundle, head=None) -> int:

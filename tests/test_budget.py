@@ -1,6 +1,8 @@
 """The DRAM planner: never over budget, streams what it cannot pin spread through the pass, refuses with numbers."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -75,3 +77,19 @@ def test_in_place_layers_pin_more_in_the_same_budget():
     assert native.pinned_bytes == sum(layers[i] for i in native.pinned)
     assert prepacked.pinned_bytes == sum(int(layers[i] * PREPACK_FACTOR) for i in prepacked.pinned)
     assert native.slot_bytes == max(layers + head)
+
+
+def test_a_longer_context_says_how_many_pinned_layers_its_kv_rows_cost():
+    from lever_actors.budget import context_trade
+
+    layers, head = [10 * MB] * 12, [8 * MB]
+    short = plan_budget(200 * MB, {"target_kv": 20 * MB, "activations": 5 * MB}, layers, head)
+    long = plan_budget(200 * MB, {"target_kv": 80 * MB, "activations": 10 * MB}, layers, head)
+    assert len(long.pinned) < len(short.pinned)
+    text = context_trade(long, short, 4096, 1024)
+    assert text.startswith("a 4096-token context takes 65 MiB more for KV rows and activations than 1024 tokens")
+    assert f"{len(short.pinned) - len(long.pinned)} fewer pinned layers ({len(long.pinned)} instead of " \
+           f"{len(short.pinned)})" in text
+    assert text in dataclasses.replace(long, trade=text).describe()
+    assert "would not run at all" in context_trade(long, None, 4096, 1024)
+    assert "less for KV rows" in context_trade(short, long, 512, 4096) and "more pinned layers" in context_trade(short, long, 512, 4096)
