@@ -44,6 +44,7 @@ class Drafter:
         self.lanes, self.tracer = lanes, tracer
         self.root_hidden: np.ndarray | None = None  # final hidden row of the last committed token
         self.outcomes: list[list[int]] = []  # tokens each hypothesis of the last request assumed
+        self.growing: dict | None = None  # the last request's trees, while an extend request may grow them
         self._clear_tree()
 
     def _clear_tree(self) -> None:
@@ -69,7 +70,7 @@ class Drafter:
         keep = self.m.kv.reusable(sequence) if sequence else 0
         self.m.kv.truncate(keep)
         self._clear_tree()
-        self.root_hidden, self.outcomes = None, []
+        self.root_hidden, self.outcomes, self.growing = None, [], None
         return keep
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -222,6 +223,9 @@ class Drafter:
         """
         t0 = time.perf_counter()
         self._use_threads(req.threads or self.threads)
+        if req.extend:
+            return self._extend(req)
+        self.growing = None
         committed = list(req.committed)
         if req.reset:
             keep = self.reset(committed if req.reuse_prefix else None)
@@ -239,47 +243,50 @@ class Drafter:
             roots = self._assume(hyps)  # None: no room left to assume it (it gets an empty answer)
             growths = [(-1, 0, 0) if r is None else (r, mn, md) for r, (_, _, mn, md) in zip(roots, hyps)]
             assumed = [() if r is None else tuple(p) + (self.tok[r],) for r, (p, _, _, _) in zip(roots, hyps)]
-            positions = [req.position + len(a) for a in assumed]
         else:
-            growths, assumed, positions = [(-1, req.max_nodes, req.max_depth)], [()], [req.position]
+            growths, assumed = [(-1, req.max_nodes, req.max_depth)], [()]
         self.outcomes = [list(a) for a in assumed]
-        trees = self._grow(growths, req)
-        self.tracer.add(f"draft {sum(len(t['tokens']) for t in trees)}", "cpu", t0, time.perf_counter())
-        draft_s = time.perf_counter() - t0
-        out = []
-        for h, (tree, (root, _, _)) in enumerate(zip(trees, growths)):
-            out.append(DraftExpansion(
-                session_id=req.session_id, step=req.step, epoch=req.epoch,
-                root_token=req.root_token if root < 0 else self.tok[root], position=positions[h],
-                parents=np.asarray(tree["parents"], np.int32), tokens=np.asarray(tree["tokens"], np.int32),
-                draft_probs=np.asarray(tree["probs"], np.float32), draft_s=draft_s, dists=tree["dists"],
-                alternatives=tree["alts"], assumed=assumed[h], hypothesis=h, of=len(growths)))
-        return out
+        self.growing = self._plant(growths, assumed, req)
+        return self._grow(req, t0)
 
-    def _grow(self, growths: list[tuple[int, int, int]], req: DraftRequest) -> list[dict]:
-        """Grow one tree below each (scratch root, max_nodes, max_depth), all in the same draft calls."""
+    def _extend(self, req: DraftRequest) -> list[DraftExpansion]:
+        """Grow the trees of the last request further: the pass they were drafted beside is still running."""
+        if self.growing is None or req.committed or req.reset or req.hypotheses:
+            raise ValueError("an extend request continues the last request's trees: nothing committed in between")
+        return self._grow(req, time.perf_counter())
+
+    def _plant(self, growths: list[tuple[int, int, int]], assumed: list[tuple], req: DraftRequest) -> dict:
+        """The growth state of one tree per (scratch root, max_nodes, max_depth): kept between requests, so
+        that an ``extend`` request can grow them further."""
         from lever_actors.sampling import SamplingParams
 
-        params = SamplingParams(req.temperature, req.top_p, req.seed)
-        trees = []
-        for root, max_nodes, max_depth in growths:
-            trees.append({"root": root, "root_token": req.root_token if root < 0 else self.tok[root], "max_nodes": max_nodes, "max_depth": max_depth, "parents": [], "tokens": [],
+        trees, free = [], self._free_slots()
+        for (root, max_nodes, max_depth), outcome in zip(growths, assumed):
+            max_nodes = min(max_nodes, max(free, 0))  # a tree needs scratch slots for the nodes it feeds
+            free -= max_nodes
+            trees.append({"root": root, "root_token": req.root_token if root < 0 else self.tok[root],
+                          "assumed": outcome, "position": req.position + len(outcome),
+                          "max_nodes": max_nodes, "max_depth": max_depth, "depth": 0, "parents": [], "tokens": [],
                           "probs": [], "path_p": [], "scratch": [], "dists": {}, "alts": {}, "frontier": [-1],
                           "active": max_nodes > 0 and max_depth > 0})
-        free = self._free_slots()
-        for t in trees:  # a tree needs scratch slots for the nodes it feeds
-            t["max_nodes"] = min(t["max_nodes"], max(free, 0))
-            free -= t["max_nodes"]
-            t["active"] = t["active"] and t["max_nodes"] > 0
+        return {"trees": trees, "params": SamplingParams(req.temperature, req.top_p, req.seed), "top_k": req.top_k,
+                "min_path_p": req.min_path_p, "step": req.step, "draft_s": 0.0}
+
+    def _grow(self, req: DraftRequest, t0: float) -> list[DraftExpansion]:
+        """Grow every tree still growing by up to ``req.levels`` levels (0: until each is done), all
+        in the same draft calls, and answer with each tree so far."""
+        g = self.growing
+        trees, params = g["trees"], g["params"]
 
         def row_of(t, node):
             return (self.root_hidden if t["root"] < 0 else self.hid[t["root"]]) if node < 0 else self.hid[t["scratch"][node]]
 
-        depth = 0
-        while any(t["active"] for t in trees):
+        levels = 0
+        while any(t["active"] for t in trees) and (req.levels == 0 or levels < req.levels):
             active = [(h, t) for h, t in enumerate(trees) if t["active"]]
+            self._feed_nodes([t["scratch"][n] for _, t in active for n in t["frontier"] if n >= 0])
             logits = self.head.logits(np.stack([row_of(t, n) for _, t in active for n in t["frontier"]]))
-            r, feed = 0, []
+            r = 0
             for h, t in active:
                 cands = []
                 for node in t["frontier"]:
@@ -287,12 +294,12 @@ class Drafter:
                     r += 1
                     key = node + (h << 20)  # hypothesis 0 keeps the random streams of a single tree
                     if params.greedy:  # one top-k selection serves the children and the pruner's rivals
-                        top = self._children(p, min(max(ALTERNATIVES, req.top_k), len(p)), params, req.step, key)
-                        children = top[:req.top_k]
+                        top = self._children(p, min(max(ALTERNATIVES, g["top_k"]), len(p)), params, g["step"], key)
+                        children = top[:g["top_k"]]
                         t["alts"][node] = self._tokens(top[:ALTERNATIVES])
                     else:
                         t["dists"][node] = self._full_distribution(p)
-                        children = self._children(p, req.top_k, params, req.step, key)
+                        children = self._children(p, g["top_k"], params, g["step"], key)
                     base_p = t["path_p"][node] if node >= 0 else 1.0
                     for col in children:
                         cands.append((base_p * float(p[col]), node, self._token(col), float(p[col])))
@@ -305,18 +312,27 @@ class Drafter:
                     t["tokens"].append(tok)
                     t["probs"].append(q)
                     t["path_p"].append(pp)
-                    scratch_parent = t["root"] if parent < 0 else t["scratch"][parent]
-                    t["scratch"].append(self._node(scratch_parent, tok))
+                    t["scratch"].append(self._node(t["root"] if parent < 0 else t["scratch"][parent], tok))
                     level.append(len(t["tokens"]) - 1)
-                if (not level or len(t["tokens"]) >= t["max_nodes"] or depth + 1 == t["max_depth"]
-                        or max(t["path_p"][n] for n in level) < req.min_path_p):
+                t["depth"] += 1
+                t["frontier"] = level
+                if (not level or len(t["tokens"]) >= t["max_nodes"] or t["depth"] == t["max_depth"]
+                        or max(t["path_p"][n] for n in level) < g["min_path_p"]):
                     t["active"] = False  # full, or (adaptive depth) the next level would not pay for itself
-                else:
-                    t["frontier"] = level
-                    feed.extend(t["scratch"][n] for n in level)
-            self._feed_nodes(feed)
-            depth += 1
-        return [self._rows(t) for t in trees]
+            levels += 1
+        end = time.perf_counter()
+        g["draft_s"] += end - t0
+        self.tracer.add(f"draft {sum(len(t['tokens']) for t in trees)}", "cpu", t0, end)
+        out = []
+        for h, t in enumerate(trees):
+            rows = self._rows(t)
+            out.append(DraftExpansion(
+                session_id=req.session_id, step=req.step, epoch=req.epoch, root_token=t["root_token"],
+                position=t["position"], parents=np.asarray(t["parents"], np.int32),
+                tokens=np.asarray(t["tokens"], np.int32), draft_probs=np.asarray(t["probs"], np.float32),
+                draft_s=g["draft_s"], dists=rows["dists"], alternatives=rows["alts"], assumed=t["assumed"],
+                hypothesis=h, of=len(trees), growing=t["active"]))
+        return out
 
     def _rows(self, t: dict) -> dict:
         """A grown tree's message arrays: distributions and rivals by row (0: its root, i+1: node i)."""

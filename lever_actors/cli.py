@@ -40,7 +40,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "cpu, qnn, nnapi, xnnpack (default cpu)")
 
 
-# every ablation (and the opt-in) is a flag here and a '+FLAG' mode suffix (engine.MODE_FLAGS), so bench can run them side by side
+# every ablation (and the opt-ins) is a flag here and a '+FLAG' mode suffix (engine.MODE_FLAGS), so bench can run them side by side
 ABLATIONS = (
     ("no-overlap", "do not draft the next tree while the target verifies (cross-step drafting)"),
     ("fixed-tree", "lever verifies the whole drafted tree instead of the gain/cost plan"),
@@ -53,6 +53,9 @@ ABLATIONS = (
                  "context's last tokens) beside the drafted tree"),
     ("no-multi-outcome", "lever drafts ahead only for its tree's main path accepted whole, not also for the "
                          "likeliest early stops (multi-outcome cross-step drafting)"),
+    ("draft-until-commit", "lever grows the trees it drafts ahead a level at a time until the pass commits, "
+                           "instead of to the depth it expects to fit inside the pass (measured: no gain, so "
+                           "off by default)"),
     ("core-borrow", "lever's drafts that the verification lane waits for also use its idle threads (measured: "
                     "no gain, so off by default)"),
 )
@@ -63,7 +66,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
-                        "+no-multi-outcome / +core-borrow (default "
+                        "+no-multi-outcome / +draft-until-commit / +core-borrow (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",

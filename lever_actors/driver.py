@@ -43,6 +43,10 @@ SAMPLED_MIN_PATH_P = 0.2
 # for the main one) 10% more again, and measured on HumanEval 0:8 it did not pay (README)
 OUTCOMES_EXTRA = 2
 OUTCOME_MIN_WEIGHT = 0.04
+# +draft-until-commit (lever, greedy; measured: no gain, README): the trees drafted ahead grow in
+# requests of this many levels (the first also assumes the outcomes) until the commit arrives
+AHEAD_FIRST_LEVELS = 2
+AHEAD_MORE_LEVELS = 1
 
 
 @dataclass
@@ -181,6 +185,10 @@ class Generation:
     root: int = 0
     prev_accepted: tuple[int, ...] = ()
     pass_wait_s: float = 0.0  # this pass's wait for the drafter
+    ahead: list | None = None  # drafting until the commit: the trees drafted ahead, as last received
+    stale_drafts: int = 0  # ... and answers still to come to a request sent before the commit: dropped
+    ahead_busy_s: float = 0.0  # drafter time of the trees taken (their answers count it cumulatively)
+    verify_start: float = 0.0  # when this pass's plan went to the verifier
     reuse: bool = True  # prompt caching: prefill only what the last sequence does not share
     prefill_draft: bool = False  # the drafter's answer to the prefill is still to be collected
 
@@ -279,9 +287,10 @@ class Pipeline:
             g.step += 1
             t_pass, g.pass_wait_s = time.perf_counter(), 0.0
             tree = self._plan(g, await self._next_tree(g))
+            g.verify_start = time.perf_counter()
             await self.plan_send.send(self._verify_plan(g, tree))
-            await self._draft_ahead(g, tree)
-            commit, ps = await self._receive(self.commit_recv, g.sid), await self._receive(self.stats_recv, g.sid)
+            ahead = await self._draft_ahead(g, tree)
+            commit, ps = await self._pass_result(g, ahead)
             _raise_fault(commit)
             self._observe(g, tree, commit, ps, time.perf_counter() - t_pass)
             await self._settle(g, commit)
@@ -404,13 +413,21 @@ class Pipeline:
             exit_layers=self.prune_exits if pruning else (), alternatives=tree.alts if pruning else None,
             prune_threshold=self.prune_threshold if pruning else None, **g.sampling)
 
-    async def _draft_ahead(self, g: Generation, tree: Tree) -> None:
+    def _until_commit(self, g: Generation) -> bool:
+        """lever drafts ahead as long as the pass lasts (greedy: a timing-dependent tree shape would
+        make seeded sampled runs irreproducible)."""
+        return self._planning(g) and self.cfg.draft_until_commit
+
+    async def _draft_ahead(self, g: Generation, tree: Tree) -> bool:
         """Cross-step drafting: while the target verifies, draft the trees that follow its likeliest
         outcomes (the main path accepted whole, then the draft's own next token; for lever also the
-        likeliest early stops), all in the same draft calls."""
+        likeliest early stops), all in the same draft calls. Returns whether a request went out."""
         if not (g.gamma and self.cfg.overlap and tree.drafted):
-            return
+            return False
         limits = self._draft_limits(g, hidden=True)
+        until_commit = self._until_commit(g)
+        if until_commit:  # the pass, not a depth cap, ends the drafting
+            limits.update(max_depth=g.max_depth, max_nodes=g.draft_cap, levels=AHEAD_FIRST_LEVELS)
         extra = OUTCOMES_EXTRA if self._planning(g) and self.cfg.multi_outcome else 0
         cond = self.lever.conditional(tree.depths(), np.concatenate([[1.0], tree.probs]), tree.ngram) \
             if extra else np.concatenate([[1.0], tree.probs])
@@ -419,7 +436,7 @@ class Pipeline:
                                                                     1 + extra, OUTCOME_MIN_WEIGHT)):
             if self.eos.intersection(path) or len(g.out) + len(path) + 1 >= g.max_tokens:
                 if h == 0:
-                    return  # the output ends inside this tree: nothing to draft for
+                    return False  # the output ends inside this tree: nothing to draft for
                 continue
             # with several outcomes every one gets a chain as deep; alone, the main one gets the configured shape
             nodes = limits["max_depth"] if extra else limits["max_nodes"]
@@ -428,6 +445,60 @@ class Pipeline:
             session_id=g.sid, step=g.step + 1, epoch=0, root_token=g.root, position=g.position, top_k=g.top_k,
             hypotheses=tuple(hyps), **limits, **g.spec.settle_fields(), **g.sampling))
         g.spec.assume(len(hyps))
+        return True
+
+    def _level_fits(self, g: Generation) -> bool:
+        """Whether one more level drafted ahead should end before the pass does (a level still being
+        drafted at the commit delays the next draft: after a miss, the pass waits for it)."""
+        pace = self.lever.pace
+        level_s = pace.hidden_level_s or pace.level_s
+        if pace.verify_s is None or level_s is None:
+            return True
+        return time.perf_counter() - g.verify_start + level_s <= pace.verify_s
+
+    async def _pass_result(self, g: Generation, ahead: bool):
+        """The pass's commit and stats. Drafting until the commit, the trees drafted ahead meanwhile
+        grow a level per request until the commit arrives; the last trees received are taken then
+        (the answers to a request still being drafted are dropped when they come)."""
+        if not (ahead and self._until_commit(g)):
+            return await self._receive(self.commit_recv, g.sid), await self._receive(self.stats_recv, g.sid)
+        n, got, first = g.spec.in_flight, {}, trio.Event()
+        g.ahead, pending = None, n  # answers still to come to the last request sent
+
+        async def grow():
+            nonlocal pending
+            await self._drop_stale(g)
+            while True:
+                exps = []
+                for _ in range(n):
+                    exps.append(await self._receive(self.draft_recv, g.sid))
+                    pending -= 1
+                g.ahead = exps
+                first.set()
+                if "commit" in got or not any(e.growing for e in exps) or not self._level_fits(g):
+                    return
+                await self.draft_send.send(DraftRequest(
+                    session_id=g.sid, step=g.step + 1, epoch=0, root_token=g.root, position=g.position, top_k=g.top_k,
+                    max_nodes=0, max_depth=0, extend=True, levels=AHEAD_MORE_LEVELS, **g.sampling))
+                pending = n
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(grow)
+            got["commit"] = await self._receive(self.commit_recv, g.sid)
+            got["ps"] = await self._receive(self.stats_recv, g.sid)
+            if g.ahead is None:  # not even the first trees yet: waiting for them is waiting for the drafter
+                t = time.perf_counter()
+                await first.wait()
+                self._count_wait(g, t, time.perf_counter())
+            nursery.cancel_scope.cancel()  # take what is drafted; don't wait for the level in progress
+        g.stale_drafts = pending
+        g.ahead_busy_s = g.ahead[0].draft_s if g.ahead else 0.0
+        if g.ahead:  # the levels taken, and the two calls assuming the outcomes
+            self.lever.pace.observe_draft(g.ahead_busy_s, max(expansion_depth(e) for e in g.ahead) + 2, hidden=True)
+        for e in g.ahead or ():
+            g.stats.draft_tokens += len(e.tokens)
+        g.stats.draft_busy_s += g.ahead_busy_s
+        return got["commit"], got["ps"]
 
     def _observe(self, g: Generation, tree: Tree, commit, ps, pass_s: float) -> None:
         st, n = g.stats, len(commit.tokens)
@@ -458,9 +529,12 @@ class Pipeline:
 
     async def _settle(self, g: Generation, commit) -> None:
         """Collect the trees drafted ahead (if a request is in flight) and see whether an assumption held."""
-        exps = [await self._receive_draft(g) for _ in range(g.spec.in_flight)]
-        if exps:  # it also fed the assumed paths and their roots: two calls
-            self.lever.pace.observe_draft(exps[0].draft_s, max(expansion_depth(e) for e in exps) + 2, hidden=True)
+        if g.ahead is not None:  # drafted until the commit: already in
+            exps, g.ahead = g.ahead, None
+        else:
+            exps = [await self._receive_draft(g) for _ in range(g.spec.in_flight)]
+            if exps:  # it also fed the assumed paths and their roots: two calls
+                self.lever.pace.observe_draft(exps[0].draft_s, max(expansion_depth(e) for e in exps) + 2, hidden=True)
         self._settle_assumption(g, commit, exps)
 
     def _settle_assumption(self, g: Generation, commit, exps: list) -> None:
@@ -487,18 +561,30 @@ class Pipeline:
     async def _receive_draft(self, g: Generation):
         """The drafter's next expansion; the time waited for it is time the passes stood still."""
         t = time.perf_counter()
+        await self._drop_stale(g)
         exp = await self._receive(self.draft_recv, g.sid)
-        end = time.perf_counter()
-        waited = end - t
-        if waited > 1e-4:  # the verification lane stood idle for the drafter: visible in the trace
-            self.tracer.add("draft wait", "wait", t, end)
-        g.stats.draft_wait_s += waited
-        g.pass_wait_s += waited
+        self._count_wait(g, t, time.perf_counter())
         if exp.step > 0:  # (step 0 also digests the prompt)
             g.stats.draft_tokens += len(exp.tokens)
             if exp.hypothesis == 0:  # the expansions of one request share its drafting time
                 g.stats.draft_busy_s += exp.draft_s
         return exp
+
+    async def _drop_stale(self, g: Generation) -> None:
+        """Drop the answers to a request that was still drafting ahead when its pass committed (its
+        drafter time still counts)."""
+        while g.stale_drafts:
+            stale = await self._receive(self.draft_recv, g.sid)
+            g.stale_drafts -= 1
+            if stale.hypothesis == 0:
+                g.stats.draft_busy_s += max(stale.draft_s - g.ahead_busy_s, 0.0)
+
+    def _count_wait(self, g: Generation, t: float, end: float) -> None:
+        waited = end - t
+        if waited > 1e-4:  # the verification lane stood idle for the drafter: visible in the trace
+            self.tracer.add("draft wait", "wait", t, end)
+        g.stats.draft_wait_s += waited
+        g.pass_wait_s += waited
 
     async def _receive(self, chan, sid: int):
         """Next message of session ``sid``; answers to an abandoned (cancelled) session are dropped."""

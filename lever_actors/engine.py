@@ -56,10 +56,11 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 
 # ablations: no cross-step drafting; lever without its planner; lever without early-exit pruning; the
 # draft's full LM head instead of its calibrated vocabulary subset; lever drafting to its depth cap every time;
-# lever without free prompt-lookup branches; lever drafting ahead for the main outcome only; and one opt-in that did not pay (README): lever's waited-for
-# drafts also on the verification lane's idle threads
+# lever without free prompt-lookup branches; lever drafting ahead for the main outcome only; and two
+# opt-ins that did not pay (README): lever's waited-for drafts also on the verification lane's idle
+# threads, and lever drafting ahead until the pass commits
 MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
-              "no-multi-outcome", "core-borrow")
+              "no-multi-outcome", "draft-until-commit", "core-borrow")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -117,6 +118,7 @@ class EngineConfig:
     ngram: bool = True  # lever: prompt-lookup branches offered to the planner beside the draft's tree
     core_borrow: bool = False  # lever: a draft the verification lane waits for also uses that lane's threads
     multi_outcome: bool = True  # lever: cross-step drafting also for the likeliest early stops, not only the main path
+    draft_until_commit: bool = False  # lever: the trees drafted ahead grow until the pass commits, not to a depth cap
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
@@ -133,6 +135,7 @@ class EngineConfig:
                        adaptive_depth=self.adaptive_depth and "no-adaptive-depth" not in flags,
                        ngram=self.ngram and "no-ngram" not in flags,
                        multi_outcome=self.multi_outcome and "no-multi-outcome" not in flags,
+                       draft_until_commit=self.draft_until_commit or "draft-until-commit" in flags,
                        core_borrow=self.core_borrow or "core-borrow" in flags, dram_budget=budget,
                        budget_source=source)
 
@@ -161,6 +164,7 @@ class EngineConfig:
             vocab_trim=not getattr(args, "no_vocab_trim", False),
             adaptive_depth=not getattr(args, "no_adaptive_depth", False), ngram=not getattr(args, "no_ngram", False),
             core_borrow=getattr(args, "core_borrow", False), multi_outcome=not getattr(args, "no_multi_outcome", False),
+            draft_until_commit=getattr(args, "draft_until_commit", False),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
     def mode_string(self) -> str:
@@ -179,6 +183,8 @@ class EngineConfig:
             text += "+no-ngram"
         if self.mode == "lever" and self.overlap and not self.multi_outcome:
             text += "+no-multi-outcome"
+        if self.mode == "lever" and self.overlap and self.draft_until_commit:
+            text += "+draft-until-commit"
         if self.mode == "lever" and self.core_borrow:
             text += "+core-borrow"
         return text

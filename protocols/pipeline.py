@@ -183,6 +183,12 @@ class DraftRequest(PipelineMessage):
     # ``committed`` counts from after it (what v6's ``confirmed`` said of its one assumption).
     hypotheses: tuple[tuple[tuple[int, ...], tuple[int, ...], int, int], ...] = ()
     confirmed_hypothesis: int = -1
+    # v7 too: drafting as long as the pass lasts. ``levels`` > 0 grows the trees by at most that many
+    # levels in this request (0: until each tree's own limits); ``extend`` grows the trees of the
+    # last request further (nothing may have been committed since: ``committed`` is empty). Every
+    # answer lists each tree so far, ``growing`` when it could still grow.
+    levels: int = 0
+    extend: bool = False
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -214,9 +220,11 @@ class DraftRequest(PipelineMessage):
         return body
 
     def _check(self) -> None:
-        _non_negative(self, "root_token", "position", "max_nodes", "max_depth", "threads")
+        _non_negative(self, "root_token", "position", "max_nodes", "max_depth", "threads", "levels")
         if self.top_k < 1:
             raise ValueError("DraftRequest.top_k must be >= 1")
+        if self.extend and (self.committed or self.reset or self.hypotheses):
+            raise ValueError("DraftRequest.extend continues the last trees: no commit, reset or hypotheses with it")
         if not 0.0 <= self.min_path_p <= 1.0:  # also rejects NaN
             raise ValueError(f"DraftRequest.min_path_p must lie in [0, 1], got {self.min_path_p}")
         if self.confirmed_hypothesis < -1:
@@ -253,6 +261,7 @@ class DraftExpansion(PipelineMessage):
     assumed: tuple[int, ...] = ()
     hypothesis: int = 0
     of: int = 1
+    growing: bool = False  # the tree stopped only at its request's ``levels``: an extend request grows it
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:

@@ -39,7 +39,7 @@ _SAMPLE_LIST: list[Message] = [
     Abort(**_HEADER, reason="client disconnected"),
     DraftRequest(**_HEADER, root_token=151_643, position=128, max_nodes=32, max_depth=6, top_k=4,
                  committed=(262, 151_643), reset=False, temperature=0.75, top_p=0.875, seed=11,
-                 min_path_p=0.375, threads=2, reuse_prefix=True, confirmed_hypothesis=1,
+                 min_path_p=0.375, threads=2, reuse_prefix=True, confirmed_hypothesis=1, levels=2,
                  hypotheses=(((198, 220), (), 16, 8), ((198,), (220, 262), 6, 6))),
     DraftExpansion(
         **_HEADER, root_token=151_643, position=128,
@@ -47,7 +47,7 @@ _SAMPLE_LIST: list[Message] = [
         draft_probs=np.array([0.75, 0.125, 0.5, 0.25, 1.0], dtype=np.float32), draft_s=0.0875,
         dists=np.array([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0]], dtype=np.float32),
         alternatives=np.array([[198, 220], [262, 1_000], [13, 11], [151_645, 5], [7, 8], [9, 10]], dtype=np.int32),
-        assumed=(198, 220, 151_643), hypothesis=1, of=2),
+        assumed=(198, 220, 151_643), hypothesis=1, of=2, growing=True),
     VerifyPlan(
         **_HEADER, position=128, tokens=_i32(151_643, 198, 220, 262),
         parents=_i32(-1, 0, 0, 1), depths=_i32(0, 1, 1, 2), bucket=4, exit_layers=(8, 16),

@@ -173,3 +173,25 @@ def test_a_nearly_full_context_drafts_ahead_what_fits_and_answers_every_hypothes
     assert [e.hypothesis for e in out] == [0, 1] and all(e.of == 2 for e in out)
     assert len(out[0].tokens) + 1 <= 3 and out[1].assumed == () and len(out[1].tokens) == 0
     assert d.m.kv.length + len(d.tok) <= CONTEXT
+
+
+def test_trees_grown_a_level_at_a_time_are_the_trees_grown_at_once(tiny_bundles):
+    """Drafting until the commit: extend requests grow the last request's trees further, and the
+    trees come out as one request to the same limits would have drafted them."""
+    hyps = (((), (), 6, 6), ((), (0,), 3, 3))
+    whole, steps = _drafter(tiny_bundles[1]), _drafter(tiny_bundles[1])
+    for d in (whole, steps):
+        _first(d, max_nodes=0, max_depth=0)
+    want = whole.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=hyps))
+    got = steps.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=hyps, levels=2))
+    assert [len(e.tokens) for e in got] == [2, 2] and all(e.growing for e in got)
+    while any(e.growing for e in got):
+        got = steps.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, extend=True, levels=1))
+    for a, b in zip(got, want):
+        assert a.assumed == b.assumed and not a.growing and not b.growing
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.parents, b.parents)
+        np.testing.assert_array_equal(a.alternatives, b.alternatives)
+    assert got[0].draft_s >= 0 and steps.draft(_req(1, root_token=PROMPT[-1], position=0, extend=True, levels=1))[0].tokens.size == 6
+    with pytest.raises(ValueError, match="extend"):  # nothing to grow
+        _drafter(tiny_bundles[1]).draft(_req(2, root_token=PROMPT[-1], position=0, extend=True, levels=1))

@@ -106,7 +106,8 @@ def draft_expansions(draw) -> DraftExpansion:
         tokens=i32(draw(st.lists(TOKENS, min_size=n, max_size=n))),
         draft_probs=np.array(draw(st.lists(st.floats(0, 1, width=32), min_size=n, max_size=n)),
                              dtype=np.float32),
-        draft_s=draw(SECONDS))
+        draft_s=draw(SECONDS), assumed=tuple(draw(st.lists(TOKENS, max_size=4))), hypothesis=draw(st.integers(0, 2)),
+        of=3, growing=draw(st.booleans()))
 
 
 @st.composite
@@ -156,7 +157,7 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
     Abort: _with_header(Abort, reason=st.text(max_size=40)),
     DraftRequest: _with_header(DraftRequest, root_token=TOKENS, position=U31, max_nodes=U31,
                                max_depth=U31, top_k=st.integers(1, 64), min_path_p=st.floats(0, 1),
-                               threads=st.integers(0, 64), confirmed_hypothesis=st.integers(-1, 8),
+                               threads=st.integers(0, 64), confirmed_hypothesis=st.integers(-1, 8), levels=st.integers(0, 64),
                                hypotheses=st.lists(st.tuples(st.lists(TOKENS, max_size=4).map(tuple),
                                                              st.lists(TOKENS, max_size=3).map(tuple), U31, U31),
                                                    max_size=3).map(tuple)),
@@ -739,3 +740,11 @@ def test_a_v6_draft_request_becomes_one_hypothesis():
     plain = decode(pack_envelope("draft.request", 6, {"session_id": 1, "step": 2, "epoch": 0, "root_token": 5,
                                                       "position": 9, "max_nodes": 4, "max_depth": 4, "top_k": 1}))
     assert plain.hypotheses == () and plain.confirmed_hypothesis == -1
+
+
+def test_an_extend_request_carries_no_commit():
+    base = dict(session_id=1, step=2, epoch=0, root_token=5, position=9, max_nodes=4, max_depth=4, top_k=1)
+    assert DraftRequest(**base, extend=True, levels=1).extend
+    for bad in ({"committed": (3,)}, {"reset": True}, {"hypotheses": (((), (), 1, 1),)}):
+        with pytest.raises(ValueError, match="extend"):
+            DraftRequest(**base, extend=True, **bad)

@@ -102,6 +102,29 @@ def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundl
     assert runs[True]["spec_hits"] > runs[False]["spec_hits"]
 
 
+def test_drafting_until_the_commit_drops_late_answers_and_changes_no_token(tiny_bundles, ar_tokens):
+    """+draft-until-commit: the trees drafted ahead grow a level per request while the pass runs; answers
+    still being drafted at the commit are dropped, the draft's rows stay exact, the output is the same."""
+    import numpy as np
+
+    from lever_actors.bundle import load_bundle
+    from lever_actors.model import Transformer
+    from lever_actors.ortrt import LaneConfig
+
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="lever", gamma=16, context=CONTEXT, dram_budget=24 * 2**20, draft_until_commit=True)
+    assert cfg.mode_string() == "lever:16+draft-until-commit"
+    toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
+    assert toks == ar_tokens
+    assert stats["spec_hits"] > 0
+    d = pipe.drafter
+    n = d.m.kv.length
+    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig())
+    ref.prefill((ids + toks)[:n])
+    np.testing.assert_array_equal(d.m.kv.k[:, :, :n], ref.kv.k[:, :, :n])
+
+
 def _min_budget(target, draft=None) -> int:
     """The smallest budget the planner accepts (found from its own refusal message)."""
     cfg = EngineConfig(mode="flash-ar", context=CONTEXT, dram_budget=1)
