@@ -33,10 +33,13 @@ class Drafter:
     by the next request's sync (or its reset).
     """
 
-    def __init__(self, model, requests_recv, out_send, lanes, tracer, head=None) -> None:
+    def __init__(self, model, requests_recv, out_send, lanes, tracer, head=None, prefix_store=None) -> None:
         from lever_actors.draft_vocab import FullHead
+        from lever_actors.prefix_cache import PrefixStore
 
         self.m = model
+        # earlier sequences' rows, for a prompt that continues one of them (prompt caching)
+        self.prefix_store = prefix_store if prefix_store is not None else PrefixStore(0)
         # the draft's LM head: the whole vocabulary, or a calibrated subset (ids maps its columns to tokens)
         self.head = head if head is not None else FullHead(model)
         self.threads = model.lane.threads  # its own setting; a request may borrow more
@@ -64,11 +67,11 @@ class Drafter:
             if hasattr(self.head, "lane"):
                 self.head.lane = self.m.lane
 
-    def reset(self, sequence: list[int] | None = None) -> int:
-        """Start a new sequence; with ``sequence``, keep the rows of the prefix it shares with
-        the committed rows (prompt caching). Returns how many rows were kept."""
-        keep = self.m.kv.reusable(sequence) if sequence else 0
-        self.m.kv.truncate(keep)
+    def reset(self, sequence: list[int], reuse: bool = True) -> int:
+        """Start the new sequence ``sequence``; with ``reuse``, keep the rows of the longest prefix it
+        shares with the committed rows or a stored sequence (prompt caching). Returns how many rows
+        were kept."""
+        keep = self.prefix_store.resume(self.m.kv, sequence, reuse)
         self._clear_tree()
         self.root_hidden, self.outcomes, self.growing = None, [], None
         return keep
@@ -228,7 +231,7 @@ class Drafter:
         self.growing = None
         committed = list(req.committed)
         if req.reset:
-            keep = self.reset(committed if req.reuse_prefix else None)
+            keep = self.reset(committed, req.reuse_prefix)
             self.head.set_prompt(req.committed)
             committed = committed[keep:]
         if req.confirmed_hypothesis >= 0:

@@ -49,8 +49,13 @@ class NpuVerifier:
 
     def __init__(self, target, streamed: list[int], pinned_sessions: dict, head_sessions, plans_recv, done_send,
                  ready_recv, released_send, pool, lanes, tracer, abort_recv, lookahead: int = 1,
-                 exits_send=None, masks_recv=None, hidden=None, buckets: tuple[int, ...] = ()) -> None:
+                 exits_send=None, masks_recv=None, hidden=None, buckets: tuple[int, ...] = (),
+                 prefix_store=None) -> None:
+        from lever_actors.prefix_cache import PrefixStore
+
         self.m = target  # lever_actors.model.Transformer without resident layers
+        # earlier sequences' rows, for a prompt that continues one of them (prompt caching)
+        self.prefix_store = prefix_store if prefix_store is not None else PrefixStore(0)
         self.streamed = streamed
         self.stage_count = target.n_layer + target.n_head_chunks  # layers, then the head's vocabulary slices
         self.pinned = dict(pinned_sessions)
@@ -190,8 +195,7 @@ class NpuVerifier:
         positions = plan.position + np.asarray(plan.depths, np.int64)
         cache_n = 0
         if plan.prefill:  # a new sequence: from the rows it shares with the last one, or from 0
-            cache_n = kv.reusable(plan.tokens) if plan.reuse_prefix else 0
-            kv.truncate(cache_n)
+            cache_n = self.prefix_store.resume(kv, plan.tokens, plan.reuse_prefix)
             tokens, positions = tokens[cache_n:], positions[cache_n:]
         elif plan.prev_accepted:
             kv.commit([self.base + int(n) for n in plan.prev_accepted],

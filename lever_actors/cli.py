@@ -27,6 +27,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", metavar="BUNDLE", help="draft bundle directory (default: the Qwen2.5-Coder-0.5B bundle)")
     g.add_argument("--context", type=int, default=1024, metavar="N",
                    help="KV cache slots = longest prompt + output (default 1024)")
+    g.add_argument("--prompt-cache", default=None, metavar="SIZE",
+                   help="DRAM kept for copies of earlier sequences' KV rows, so a prompt that continues any "
+                        "recent conversation (not only the last one) skips its shared prefix: a size, 0 (off) "
+                        "or auto (default: what the DRAM budget leaves over; 256MiB without a budget)")
     g.add_argument("--threads", type=int, default=1, metavar="N",
                    help="threads of the verification lane's kernels (default 1; the draft and flash lanes "
                         "use the other core)")

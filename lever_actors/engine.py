@@ -118,6 +118,7 @@ class EngineConfig:
     ngram: bool = True  # lever: prompt-lookup branches offered to the planner beside the draft's tree
     core_borrow: bool = False  # lever: a draft the verification lane waits for also uses that lane's threads
     multi_outcome: bool = True  # lever: cross-step drafting also for the likeliest early stops, not only the main path
+    prompt_cache: int | None = None  # bytes kept for earlier sequences' KV rows (None: what the budget leaves over)
     draft_until_commit: bool = False  # lever: the trees drafted ahead grow until the pass commits, not to a depth cap
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
@@ -165,6 +166,7 @@ class EngineConfig:
             adaptive_depth=not getattr(args, "no_adaptive_depth", False), ngram=not getattr(args, "no_ngram", False),
             core_borrow=getattr(args, "core_borrow", False), multi_outcome=not getattr(args, "no_multi_outcome", False),
             draft_until_commit=getattr(args, "draft_until_commit", False),
+            prompt_cache=_prompt_cache(getattr(args, "prompt_cache", None)),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
     def mode_string(self) -> str:
@@ -192,6 +194,18 @@ class EngineConfig:
     @property
     def drafted(self) -> bool:
         return self.mode in DRAFTED
+
+
+def _prompt_cache(text: str | None) -> int | None:
+    """``--prompt-cache``: 'auto' (or nothing) = what the budget leaves over, '0' = off, else a size."""
+    if text is None or str(text).strip().lower() == "auto":
+        return None
+    if str(text).strip() == "0":
+        return 0
+    size = parse_size(text)
+    if size is None:
+        raise ConfigError("--prompt-cache takes a size, 0 or 'auto', not 'unlimited'")
+    return size
 
 
 def _buckets(text: str | None) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from lever_actors.flashio import FlashFile, aligned_buffer
 from lever_actors.lanes import ThreadLanes
 from lever_actors.model import Transformer
 from lever_actors.ortrt import LaneConfig
+from lever_actors.prefix_cache import PrefixStore
 from lever_actors.trace import Tracer
 
 # Channel capacities, one table (STYLE 8.7). One pass is in flight at a time, so
@@ -90,6 +91,34 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
             base = None
         plan = replace(plan, trade=context_trade(plan, base, cfg.context, TRADE_CONTEXT))
     return plan
+
+
+UNLIMITED_PROMPT_CACHE = 256 * 2**20  # the prompt cache's default size where no budget bounds it
+
+
+def kv_row_bytes(bundle, context_layout: str, precision: str) -> int:
+    """Bytes of one sequence position in a model's KV cache (K and V of every layer)."""
+    d = bundle.dims
+    return 2 * d["n_layer"] * d["n_kv_head"] * d["head_dim"] * kv_bytes(context_layout, precision)
+
+
+def with_prompt_cache(plan: BudgetPlan, cfg, target, draft) -> tuple[BudgetPlan, dict]:
+    """The plan with its ``prompt_cache`` line item: copies of earlier sequences' KV rows
+    (``lever_actors.prefix_cache``), sized by ``cfg.prompt_cache`` or, by default, what the budget
+    leaves over; split between the models by their bytes per position. Returns (plan, bytes per model)."""
+    from dataclasses import replace
+
+    if cfg.prompt_cache is not None:
+        total = cfg.prompt_cache
+        if plan.budget is not None and plan.total + total > plan.budget:
+            raise ConfigError(f"--prompt-cache {total / 2**20:.0f} MiB does not fit: the plan leaves "
+                              f"{max(plan.budget - plan.total, 0) / 2**20:.0f} MiB of the DRAM budget")
+    else:
+        total = UNLIMITED_PROMPT_CACHE if plan.budget is None else max(plan.budget - plan.total, 0)
+    t = kv_row_bytes(target, target.layout, cfg.lane.precision)
+    d = kv_row_bytes(draft, draft.layout, cfg.lane.precision) if draft is not None else 0
+    split = {"target": total * t // (t + d), "draft": total * d // (t + d)}
+    return replace(plan, items=dict(plan.items, prompt_cache=split["target"] + split["draft"])), split
 
 
 def _draft_weight_bytes(bundle, head=None) -> int:
@@ -192,6 +221,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
     subset_head, vocab_note = draft_head(cfg, db, draft_lane) if db is not None else (None, "no draft")
     plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head) if db is not None else 0,
                         {"prune_head_rows": head_rows.cache_bytes} if head_rows is not None else None)
+    plan, store_bytes = with_prompt_cache(plan, cfg, tb, db)
     lane = cfg.lane
     target = await trio.to_thread.run_sync(
         lambda: Transformer(tb, cfg.context, lane, resident_layers=list(plan.pinned), load_head=not plan.head_streamed))
@@ -229,7 +259,8 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
             pruner = CpuPruner(head_rows, target.eps, exits_recv, masks_send, hidden, lanes, tracer, prune_record)
         verifier = NpuVerifier(target, [s.stage for s in stages], target.resident, target.head_sessions,
                                plan_recv, done_send, ready_recv, rel_send, pool, lanes, tracer, abort_recv,
-                               buckets=cfg.buckets, **({"exits_send": exits_send, "masks_recv": masks_recv, "hidden": hidden}
+                               buckets=cfg.buckets, prefix_store=PrefixStore(store_bytes["target"]),
+                               **({"exits_send": exits_send, "masks_recv": masks_recv, "hidden": hidden}
                                   if pruner is not None else {}))
         acceptor = Acceptor(done_recv, commit_send, stats_send, tracer)
         drafter = None
@@ -245,7 +276,8 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
             if drafter_model is not None:
                 dreq_send, dreq_recv = trio.open_memory_channel(caps["draft_requests"])
                 dout_send, dout_recv = trio.open_memory_channel(caps["drafts"])
-                drafter = Drafter(drafter_model, dreq_recv, dout_send, lanes, tracer, head=subset_head)
+                drafter = Drafter(drafter_model, dreq_recv, dout_send, lanes, tracer, head=subset_head,
+                                  prefix_store=PrefixStore(store_bytes["draft"]))
                 await nursery.start(drafter.run)
                 pipe.drafter, pipe.draft_send, pipe.draft_recv = drafter, dreq_send, dout_recv
             pipe.plan_send, pipe.commit_recv, pipe.stats_recv = plan_send, commit_recv, stats_recv

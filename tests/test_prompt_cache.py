@@ -2,6 +2,7 @@
 both models, and its output is the cold run's, token for token, in every mode."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import trio
 from hypothesis import given, settings
@@ -89,3 +90,107 @@ def test_kv_rows_know_their_tokens_and_reuse_stops_short_of_the_last(first, seco
     assert kv.reusable(second) == 0
     kv.truncate(0)
     assert kv.tokens == []
+
+
+# ---------------------------------------------------------------- several conversations (PrefixStore)
+
+def _kv_with(tokens, context=96):
+    """A KV cache whose row i is filled with a value derived from tokens[:i+1] (as real rows depend on their prefix)."""
+    kv = KVCache(2, 1, context, 3, np.float16)
+    for i in range(len(tokens)):
+        kv.k[:, :, i] = hash(tuple(tokens[:i + 1])) % 1000
+        kv.v[:, :, i] = -(hash(tuple(tokens[:i + 1])) % 997)
+    kv.commit(list(range(len(tokens))), tokens)
+    return kv
+
+
+def _rows_match_their_prefix(kv) -> bool:
+    return all(kv.k[0, 0, i, 0] == np.float16(hash(tuple(kv.tokens[:i + 1])) % 1000)
+               and kv.v[1, 0, i, 2] == np.float16(-(hash(tuple(kv.tokens[:i + 1])) % 997)) for i in range(kv.length))
+
+
+def test_a_conversation_interrupted_by_another_gets_its_rows_back():
+    from lever_actors.prefix_cache import PrefixStore, row_bytes
+
+    a = [1] * 20 + [2] * 10
+    b = [7] * 25
+    kv = _kv_with(a)
+    store = PrefixStore(capacity=10 * 40 * row_bytes(kv))
+    assert store.resume(kv, b + [8]) == 0  # B is new: A's rows are copied away first
+    assert len(store.entries) == 1
+    kv2 = _kv_with(b)  # B's rows as its prefill would leave them
+    kv.k[:], kv.v[:], kv.length, kv.tokens = kv2.k, kv2.v, kv2.length, list(b)
+    assert store.resume(kv, a + [3, 4]) == len(a)  # A again: from the copy, not the live rows (B's)
+    assert kv.tokens == a and _rows_match_their_prefix(kv) and store.restored == 1
+    assert any(e.tokens == tuple(b) for e in store.entries.values())  # and B was kept in turn
+    assert store.resume(kv, a + [3, 4], reuse=False) == 0 and kv.length == 0  # opting out keeps nothing
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=40), min_size=1, max_size=12),
+       st.integers(0, 6), st.booleans())
+def test_the_store_stays_in_its_cap_and_hands_out_exact_rows(sequences, cap_rows, reuse):
+    """Whatever the order of prompts: never more than its capacity, and every kept row is the row of its own
+    prefix (restored rows are what a prefill computes), the longest prefix available is taken."""
+    from lever_actors.prefix_cache import PrefixStore, row_bytes
+
+    kv = _kv_with([])
+    store = PrefixStore(capacity=cap_rows * 16 * row_bytes(kv))
+    for seq in sequences:
+        best = max([kv.reusable(seq) if reuse else 0] + [common_prefix(list(e.tokens), seq[:-1])
+                                                         for e in store.entries.values()] * reuse)
+        kept = store.resume(kv, seq, reuse)
+        assert kept == best and kv.length == kept and kv.tokens == seq[:kept]
+        assert _rows_match_their_prefix(kv)
+        assert store.nbytes <= store.capacity
+        fresh = _kv_with(seq)  # the "prefill" of the rest
+        kv.k[:], kv.v[:], kv.length, kv.tokens = fresh.k, fresh.v, fresh.length, list(seq)
+
+
+def test_two_interleaved_conversations_both_stay_warm_and_exact(tiny_bundles):
+    """Chat A, chat B, A again, B again on one pipeline: each later turn reuses its own conversation's
+    rows from the store (the live rows are the other chat's), in both models, and equals a cold run."""
+    target, draft = tiny_bundles
+    tok = TextTokenizer.from_file(target / "tokenizer.json")
+
+    async def run(cache: bool, store: int | None):
+        cfg = EngineConfig(mode="lever", gamma=6, context=CONTEXT, dram_budget=24 << 20, prompt_cache=store)
+        history = {"a": tok.encode(PROMPT), "b": tok.encode("class Stack:\n    def push(self, item):")}
+        out = []
+        async with open_pipeline(cfg, target, draft, set(tok.eos_ids)) as pipe:
+            async def emit(_):
+                return False
+            for chat in ("a", "b", "a", "b"):
+                prompt = history[chat]
+                ids, _, stats = await pipe.generate(prompt, 10, SamplingParams(), emit, cache_prompt=cache)
+                out.append((chat, len(prompt), ids, stats["cache_n"]))
+                history[chat] = prompt + ids + tok.encode("\n# more\n")
+            return out, pipe.drafter.prefix_store.restored, pipe.verifier.prefix_store.restored
+
+    warm, d_restored, t_restored = trio.run(run, True, None)
+    cold, _, _ = trio.run(run, False, None)
+    off, _, _ = trio.run(run, True, 0)
+    assert [w[2] for w in warm] == [c[2] for c in cold] == [o[2] for o in off]
+    assert t_restored == 2 and d_restored == 2
+    for (chat, n_prompt, _, cache_n), earlier in zip(warm[2:], warm[:2]):
+        assert cache_n >= earlier[1]  # at least that chat's whole last prompt came back
+    assert all(o[3] < 8 for o in off[2:])  # without the store only the few tokens the chats share
+
+
+def test_the_prompt_cache_is_a_line_of_the_budget(tiny_bundles):
+    from lever_actors.errors import ConfigError
+
+    target, draft = tiny_bundles
+
+    async def plan(size):
+        cfg = EngineConfig(mode="lever", gamma=6, context=CONTEXT, dram_budget=24 << 20, prompt_cache=size)
+        async with open_pipeline(cfg, target, draft, set()) as pipe:
+            return pipe.plan, pipe.verifier.prefix_store.capacity + pipe.drafter.prefix_store.capacity
+
+    auto, auto_bytes = trio.run(plan, None)
+    assert auto.items["prompt_cache"] == auto_bytes > 0 and auto.total <= auto.budget
+    assert "prompt_cache" in auto.describe()
+    fixed, fixed_bytes = trio.run(plan, 1 << 20)
+    assert fixed_bytes <= 1 << 20 and fixed.total <= fixed.budget
+    with pytest.raises(ConfigError, match="--prompt-cache 1024 MiB does not fit"):
+        trio.run(plan, 1 << 30)
