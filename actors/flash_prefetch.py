@@ -63,6 +63,7 @@ class FlashPrefetcher:
         self.direct = all(f.direct for f in files.values())
         self.probes: dict[int, int] = {}  # stage -> probe digest of its verified bytes
         self.faults = 0
+        self.check_s = 0.0  # time spent checking the bytes read (first SHA-256 per region, then probes)
 
     def _read(self, stage: StreamStage, slot: int) -> float:
         from lever_actors.flashio import throttle
@@ -71,7 +72,11 @@ class FlashPrefetcher:
         f = self.files[stage.file]
         what = stage.name or f"stage {stage.stage}"
         f.read_into(self.pool[slot], stage.offset, stage.nbytes, what)
-        self._check(stage, memoryview(self.pool[slot])[:stage.nbytes], what)
+        tc = time.perf_counter()
+        try:
+            self._check(stage, memoryview(self.pool[slot])[:stage.nbytes], what)
+        finally:
+            self.check_s += time.perf_counter() - tc
         throttle(stage.nbytes, t0, self.bandwidth)
         t1 = time.perf_counter()
         self.tracer.add(f"read {stage.stage}", "flash", t0, t1, bytes=stage.nbytes, slot=slot)

@@ -83,6 +83,9 @@ def summarize(rows: list[dict]) -> dict:
         # ... of the hits, those on an early stop of the tree rather than its main path (multi-outcome)
         "spec_early_hits": sum(r["stats"].get("spec_early_hits", 0) for r in rows),
         "draft_hidden_s_per_pass": sum(r["stats"].get("draft_hidden_s", 0) for r in rows) / max(passes, 1),
+        # checking the streamed bytes: a region's SHA-256 on its first read in the process, then a
+        # CRC32 of three pages per read (part of the read time, off the compute lane)
+        "integrity_s_per_pass": sum(r["stats"].get("integrity_s", 0) for r in rows) / max(passes, 1),
         "mean_tree_nodes": _median([r["stats"]["mean_tree_nodes"] for r in rows
                                     if r["stats"].get("mean_tree_nodes") is not None]),
         "ttft_s": _median([r["prefill_s"] for r in rows]),
@@ -307,6 +310,13 @@ def print_table(results: dict, modes: list[str]) -> None:
         run = bw.get("run_bytes_per_s")
         print(f"flash read bandwidth (O_DIRECT={bw['direct_io']}): probe {bw['bytes_per_s'] / 1e9:.2f} GB/s, "
               f"the run's own reads {'-' if not run else f'{run / 1e9:.2f}'} GB/s (the floor's)")
+    checks = {m: r["integrity_s_per_pass"] / r["io_s_per_pass"] for m in modes
+              if (r := results["modes"].get(m)) and r.get("integrity_s_per_pass") and r.get("io_s_per_pass")}
+    if checks:
+        worst = max(checks, key=checks.get)
+        print(f"integrity checks of the streamed bytes (SHA-256 of each region on its first read in the process, "
+              f"then CRC32 of 3 pages per read): at most {100 * checks[worst]:.1f}% of read time ({worst}), "
+              f"{1e3 * results['modes'][worst]['integrity_s_per_pass']:.1f} ms per pass")
     cols = ("mode", "tok/s", "ms/tok", "floor", "acc/pass", "MB/tok", "io s/pass", "cmp s/pass", "wait/pass",
             "pass s", "effic.", "hit rate", "draft ms", "vs flash-ar", "vs chain", "vs resident", "pruned",
             "prune P/R")

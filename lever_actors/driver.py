@@ -272,6 +272,7 @@ class Pipeline:
         g = self._begin(prompt_ids, max_tokens, params)
         g.reuse = cache_prompt
         io_before, t_io0, t_start = self.prefetcher.bytes_read, self.tracer.busy("flash"), self.tracer.now_s()
+        check0 = self.prefetcher.check_s
         t_prefill = time.perf_counter()
         commit = await self._prefill(g)
         t_decode = time.perf_counter()
@@ -295,7 +296,7 @@ class Pipeline:
             self._observe(g, tree, commit, ps, time.perf_counter() - t_pass)
             await self._settle(g, commit)
             g.stats.pass_s += time.perf_counter() - t_pass
-        return self._finish(g, finish, io_before, t_io0, t_start, t_decode)
+        return self._finish(g, finish, io_before, t_io0, t_start, t_decode, check0)
 
     def _begin(self, prompt_ids, max_tokens, params) -> Generation:
         cfg = self.cfg
@@ -543,7 +544,7 @@ class Pipeline:
         g.stats.spec_hits, g.stats.spec_misses, g.stats.spec_early_hits = g.spec.hits, g.spec.misses, g.spec.early_hits
 
     def _finish(self, g: Generation, finish: str, io_before: int, t_io0: float, t_start: float,
-                t_decode: float) -> tuple[list[int], str, dict]:
+                t_decode: float, check0: float) -> tuple[list[int], str, dict]:
         release_memory()  # the budget is the process: what this generation freed goes back to the OS
         g.stats.flash_bytes = self.prefetcher.bytes_read - io_before
         d = g.stats.as_dict(self.tracer.busy("flash") - t_io0)
@@ -551,6 +552,7 @@ class Pipeline:
         d["overlap"] = self.tracer.overlap("flash", ("build", "npu", "cpu"), t_start)
         d.update(self.verifier_stats())
         d["decode_s"] = time.perf_counter() - t_decode
+        d["integrity_s"] = self.prefetcher.check_s - check0  # checking the bytes streamed (within the reads)
         # per *returned* token: a final pass may commit more than max_tokens allows
         d["n_tokens"] = len(g.out)
         d["flash_bytes_per_token"] = g.stats.flash_bytes / max(len(g.out), 1)

@@ -209,6 +209,9 @@ def test_bench_runs_modes_side_by_side_and_writes_the_documented_json(tiny_bundl
         assert r["speedup_vs_best_chain"] == pytest.approx(r["tokens_per_s"] / chain_tps)
         assert r["vs_resident_ar"] == pytest.approx(r["tokens_per_s"] / data["modes"]["resident-ar"]["tokens_per_s"])
     assert data["modes"]["flash-ar@3MiB"]["flash_bytes_per_token"] > 0 == data["modes"]["resident-ar"]["flash_bytes_per_token"]
+    # the integrity checks of the streamed bytes are timed: some time where layers stream, none where nothing does
+    assert data["modes"]["flash-ar@3MiB"]["integrity_s_per_pass"] > 0 == data["modes"]["resident-ar"]["integrity_s_per_pass"]
+    assert "integrity checks of the streamed bytes" in text
 
 
 def test_floor_is_the_larger_of_flash_time_and_compute():

@@ -208,14 +208,20 @@ def test_models_verify_names_each_bad_region_and_exits_non_zero(tiny_bundles, tm
     assert "layer 1: checksum mismatch" in out and "1 bad region" in out
 
 
-def test_a_read_fault_on_a_real_streamed_layer_fails_the_request_and_the_next_is_exact(real_bundles):
-    """The same seam on the real pair at 768 MiB: the last layer of the 1.5B target streams from flash."""
+def test_read_faults_on_a_real_streamed_layer_fail_the_request_and_the_next_is_exact(real_bundles):
+    """The same seam on the real pair at 768 MiB: the last layer of the 1.5B target streams from flash.
+    EIO, short reads and zeros in turn, on one pipeline: each fails its request naming the layer,
+    frees every buffer, and the request after it is exact."""
     target, draft = real_bundles
     cfg = EngineConfig(mode="lever", gamma=16, context=256, dram_budget=768 << 20)
     faults = Faults()
     layers = load_bundle(target).layers
     region, name = layers[-1], f"layer {len(layers) - 1}"
-    steps = [lambda: None, lambda: faults.arm("eio", 10**6, region), lambda: faults.arm(None, 0, None)]
-    (ref, f1), (failed, f2), (after, f3) = generate_all(cfg, target, draft, faults, steps, tokens=8)
-    assert isinstance(ref, list) and isinstance(failed, FlashFault) and name in str(failed)
-    assert after == ref and f1 and f2 and f3
+    steps = [lambda: None]
+    for kind in ("eio", "short", "zeros"):
+        steps += [lambda kind=kind: faults.arm(kind, 10**6, region), lambda: faults.arm(None, 0, None)]
+    (ref, f0), *rest = generate_all(cfg, target, draft, faults, steps, tokens=8)
+    assert isinstance(ref, list) and f0
+    for (failed, freed), (after, freed_after) in zip(rest[::2], rest[1::2]):
+        assert isinstance(failed, FlashFault) and name in str(failed), failed
+        assert after == ref and freed and freed_after
