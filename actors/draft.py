@@ -7,6 +7,7 @@ import numpy as np
 import trio
 
 from lever_actors.prune import ALTERNATIVES
+from lever_actors.scratch_tree import ScratchTree
 from protocols import DraftExpansion, DraftRequest
 
 
@@ -48,15 +49,7 @@ class Drafter:
         self.root_hidden: np.ndarray | None = None  # final hidden row of the last committed token
         self.outcomes: list[list[int]] = []  # tokens each hypothesis of the last request assumed
         self.growing: dict | None = None  # the last request's trees, while an extend request may grow them
-        self._clear_tree()
-
-    def _clear_tree(self) -> None:
-        # the scratch tree: node i has token tok[i] below par[i] (-1: the root), in KV slot
-        # (committed length + i); hid[i] is its final hidden row once fed, else None
-        self.tok: list[int] = []
-        self.par: list[int] = []
-        self.hid: list[np.ndarray | None] = []
-        self.children: dict[int, dict[int, int]] = {}
+        self.tree = ScratchTree()  # everything drafted or assumed below the root (node i in KV slot length + i)
 
     def _use_threads(self, n: int) -> None:
         """Kernel threads of this draft (native kernels take them per call; ORT sessions keep theirs)."""
@@ -72,7 +65,7 @@ class Drafter:
         shares with the committed rows or a stored sequence (prompt caching). Returns how many rows
         were kept."""
         keep = self.prefix_store.resume(self.m.kv, sequence, reuse)
-        self._clear_tree()
+        self.tree = ScratchTree()
         self.root_hidden, self.outcomes, self.growing = None, [], None
         return keep
 
@@ -87,19 +80,12 @@ class Drafter:
 
     def _node(self, parent: int, token: int) -> int:
         """The scratch node of ``token`` below ``parent``, added (not yet fed) if new."""
-        kids = self.children.setdefault(parent, {})
-        node = kids.get(token)
-        if node is None:
-            if self.m.kv.length + len(self.tok) >= self.m.kv.context:
-                raise RuntimeError("draft scratch tree is out of KV slots")
-            node = kids[token] = len(self.tok)
-            self.tok.append(int(token))
-            self.par.append(parent)
-            self.hid.append(None)
-        return node
+        if self.tree.child(parent, token) is None and self._free_slots() <= 0:
+            raise RuntimeError("draft scratch tree is out of KV slots")
+        return self.tree.add(parent, token)
 
     def _free_slots(self) -> int:
-        return self.m.kv.context - self.m.kv.length - len(self.tok)
+        return self.m.kv.context - self.m.kv.length - len(self.tree)
 
     def _feed(self, tokens: list[int]) -> np.ndarray:
         """Append committed tokens to the KV (the scratch tree must be empty); returns the last hidden row."""
@@ -119,55 +105,33 @@ class Drafter:
         prefix and its scratch ancestors, fed before or in this same call)."""
         from lever_actors.model import attention_layout
 
-        nodes = sorted(set(n for n in nodes if self.hid[n] is None))  # parents before children
+        tree = self.tree
+        nodes = sorted(set(n for n in nodes if tree.hid[n] is None))  # parents before children
         if not nodes:
             return
         base = self.m.kv.length
-        visible = []
-        for node in nodes:
-            path, n = [], node
-            while n >= 0:
-                path.append(base + n)
-                n = self.par[n]
-            visible.append(path[::-1])
+        visible = [[base + n for n in tree.path(node)] for node in nodes]
         slots = np.asarray([base + n for n in nodes])
         positions = np.asarray([base + len(v) - 1 for v in visible])
-        hidden = self.m.forward_resident([self.tok[n] for n in nodes], positions, slots,
+        hidden = self.m.forward_resident([tree.tok[n] for n in nodes], positions, slots,
                                          attention_layout(self.m.kv.context, base, visible))
         for n, h in zip(nodes, hidden):
-            self.hid[n] = h
+            tree.hid[n] = h
 
     def _sync(self, new: list[int]) -> None:
         """Commit ``new`` tokens (the last is the new root): keep the drafted rows on their path,
         feed the rest; if all of them were drafted, the tree below the new root stays scratch."""
         if not new:
             return
-        kv = self.m.kv
-        base, node, keep = kv.length, -1, []
-        for t in new:
-            child = self.children.get(node, {}).get(t)
-            if child is None or self.hid[child] is None:
-                break
-            keep.append(child)
-            node = child
-        survivors: list[int] = []
-        if len(keep) == len(new):  # a drafted outcome: its subtree is the next tree's rows
-            inside = {node}
-            for i in range(node + 1, len(self.tok)):  # a node's id is larger than its parent's
-                if self.par[i] in inside:
-                    inside.add(i)
-                    survivors.append(i)
-            self.root_hidden = self.hid[node]
+        kv, tree = self.m.kv, self.tree
+        base, keep = kv.length, tree.walk(new)
+        root = keep[-1] if keep else -1
+        survivors = tree.below(root) if len(keep) == len(new) else []  # a drafted outcome: the next tree's rows
         kv.commit([base + c for c in keep], new[:len(keep)], [base + s for s in survivors])
-        renum = {node: -1} | {old: i for i, old in enumerate(survivors)}
-        tok, par, hid = self.tok, self.par, self.hid
-        self._clear_tree()
-        for old in survivors:
-            self.tok.append(tok[old])
-            self.par.append(renum[par[old]])
-            self.hid.append(hid[old])
-            self.children.setdefault(self.par[-1], {})[self.tok[-1]] = len(self.tok) - 1
-        if len(keep) < len(new):
+        self.tree = tree.rebased(survivors, root)
+        if len(keep) == len(new):
+            self.root_hidden = tree.hid[root]
+        else:
             self.root_hidden = self._feed(new[len(keep):])
 
     def _assume(self, hypotheses) -> list[int]:
@@ -177,7 +141,7 @@ class Drafter:
         for path, _, _, _ in hypotheses:
             missing, node = 1, -1  # its root, and the path nodes not in the tree yet
             for t in path:
-                node = self.children.get(node, {}).get(t) if node is not None else None
+                node = self.tree.child(node, t) if node is not None else None
                 missing += node is None
             if missing > self._free_slots():  # the context is nearly full: no room to draft ahead
                 ends.append(None)
@@ -189,14 +153,14 @@ class Drafter:
         unfed = []
         for e in ends:
             n = e
-            while n is not None and n >= 0 and self.hid[n] is None:
+            while n is not None and n >= 0 and self.tree.hid[n] is None:
                 unfed.append(n)
-                n = self.par[n]
+                n = self.tree.par[n]
         self._feed_nodes(unfed)
         live = [h for h, e in enumerate(ends) if e is not None]
         roots: list[int | None] = [None] * len(ends)
         if live:
-            logits = self.head.logits(np.stack([self.root_hidden if ends[h] < 0 else self.hid[ends[h]] for h in live]))
+            logits = self.head.logits(np.stack([self.root_hidden if ends[h] < 0 else self.tree.hid[ends[h]] for h in live]))
             for h, row in zip(live, logits):
                 excluded = hypotheses[h][1]
                 if excluded:
@@ -245,7 +209,7 @@ class Drafter:
             hyps = list(req.hypotheses)
             roots = self._assume(hyps)  # None: no room left to assume it (it gets an empty answer)
             growths = [(-1, 0, 0) if r is None else (r, mn, md) for r, (_, _, mn, md) in zip(roots, hyps)]
-            assumed = [() if r is None else tuple(p) + (self.tok[r],) for r, (p, _, _, _) in zip(roots, hyps)]
+            assumed = [() if r is None else tuple(p) + (self.tree.tok[r],) for r, (p, _, _, _) in zip(roots, hyps)]
         else:
             growths, assumed = [(-1, req.max_nodes, req.max_depth)], [()]
         self.outcomes = [list(a) for a in assumed]
@@ -267,7 +231,7 @@ class Drafter:
         for (root, max_nodes, max_depth), outcome in zip(growths, assumed):
             max_nodes = min(max_nodes, max(free, 0))  # a tree needs scratch slots for the nodes it feeds
             free -= max_nodes
-            trees.append({"root": root, "root_token": req.root_token if root < 0 else self.tok[root],
+            trees.append({"root": root, "root_token": req.root_token if root < 0 else self.tree.tok[root],
                           "assumed": outcome, "position": req.position + len(outcome),
                           "max_nodes": max_nodes, "max_depth": max_depth, "depth": 0, "parents": [], "tokens": [],
                           "probs": [], "path_p": [], "scratch": [], "dists": {}, "alts": {}, "frontier": [-1],
@@ -282,7 +246,8 @@ class Drafter:
         trees, params = g["trees"], g["params"]
 
         def row_of(t, node):
-            return (self.root_hidden if t["root"] < 0 else self.hid[t["root"]]) if node < 0 else self.hid[t["scratch"][node]]
+            hid = self.tree.hid
+            return (self.root_hidden if t["root"] < 0 else hid[t["root"]]) if node < 0 else hid[t["scratch"][node]]
 
         levels = 0
         while any(t["active"] for t in trees) and (req.levels == 0 or levels < req.levels):

@@ -172,7 +172,7 @@ def test_a_nearly_full_context_drafts_ahead_what_fits_and_answers_every_hypothes
                        hypotheses=(((), (), 8, 4), ((1, 2, 3), (), 4, 4))))
     assert [e.hypothesis for e in out] == [0, 1] and all(e.of == 2 for e in out)
     assert len(out[0].tokens) + 1 <= 3 and out[1].assumed == () and len(out[1].tokens) == 0
-    assert d.m.kv.length + len(d.tok) <= CONTEXT
+    assert d.m.kv.length + len(d.tree) <= CONTEXT
 
 
 def test_trees_grown_a_level_at_a_time_are_the_trees_grown_at_once(tiny_bundles):
