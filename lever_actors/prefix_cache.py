@@ -68,13 +68,14 @@ class PrefixStore:
                 n = common_prefix(e.tokens, prompt[:-1])
                 if n > best_n:
                     best, best_n = key, n
+        e = self.entries.get(best)
         if kv.tokens is not None and kv.length - live >= MIN_STORED_ROWS:
-            self.store(kv)
-        if best is None:
+            self.store(kv)  # (this may evict ``e`` or drop it as superseded: it is still copied from below)
+        if e is None:
             kv.truncate(live)
             return live
-        e = self.entries[best]
-        self.entries.move_to_end(best)
+        if best in self.entries:
+            self.entries.move_to_end(best)
         kv.k[:, :, :best_n] = e.k[:, :, :best_n]
         kv.v[:, :, :best_n] = e.v[:, :, :best_n]
         kv.length, kv.tokens = best_n, list(e.tokens[:best_n])
