@@ -597,6 +597,8 @@ class Pipeline:
             self.stale += 1
 
     def verifier_stats(self) -> dict:
+        stores = [self.verifier.prefix_store] + ([self.drafter.prefix_store] if self.drafter is not None else [])
         return {"direct_io": self.prefetcher.direct, "padded_rows": self.verifier.padded_rows,
+                "prompt_cache_bytes": sum(st.nbytes for st in stores),  # copies of earlier sequences' rows
                 "pinned_layers": len(self.plan.pinned),
                 "streamed_layers": len(self.plan.streamed), "head_streamed": self.plan.head_streamed}

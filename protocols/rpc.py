@@ -89,9 +89,10 @@ seed?: int | nil, stop?: [str] = [], mode?: str | nil, cache_prompt?: bool = tru
     the backend's ``draft_n``, ``draft_n_accepted``, ``mean_accepted``,
     ``passes``, ``flash_bytes_read``, ``flash_bytes_per_token``, ``io_s``,
     ``compute_s``, ``n_tokens``, ``cache_n`` (prompt tokens whose KV rows were
-    reused from the previous request: a conversation's earlier turns),
-    ``prompt_n`` (prompt tokens computed) and ``ttft_s`` (a backend may omit
-    or add keys). ``cache_prompt: false`` computes the whole prompt; the
+    reused from an earlier request: a conversation's earlier turns, from the
+    live rows or the prompt cache's copies), ``prompt_n`` (prompt tokens
+    computed), ``ttft_s`` and ``prompt_cache_bytes`` (what the copies hold
+    now) (a backend may omit or add keys). ``cache_prompt: false`` computes the whole prompt; the
     output is the same either way.
     ``timings`` holds ``queue_s``, ``first_token_s`` (nil if none),
     ``generate_s`` and ``total_s``, measured from receipt. A cancelled

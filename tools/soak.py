@@ -10,7 +10,8 @@ threads send generate requests back to back, streaming, from a fixed set of prom
 - no token is lost or duplicated: the streamed chunks add up to the result, and every answer to
   the same request equals the first one (greedy output is deterministic);
 - the daemon's RSS after warm-up and at the end (a leak shows as growth; the test allows a stated
-  tolerance);
+  tolerance), and the prompt cache's bytes then (copies of earlier sequences' KV rows, which grow
+  by design up to their line of the budget: ``rss_growth_net_bytes`` leaves them out);
 - the buffer pool is whole at the end: no more slots lent than the pool holds (an idle streaming
   daemon keeps them filled with the next pass's first layers), every request completed.
 """
@@ -44,7 +45,7 @@ def soak(sock: Path, pid: int, seconds: float, clients: int, warmup: int = 6, ma
     first: dict[tuple, list[int]] = {}
     lock = threading.Lock()
     counts = {"answered": 0, "busy": 0, "tokens": 0, "mismatch": 0, "stream_mismatch": 0, "errors": []}
-    rss = {}
+    rss, cache = {}, {}
     deadline = time.monotonic() + seconds
 
     def client(k: int) -> None:
@@ -76,8 +77,10 @@ def soak(sock: Path, pid: int, seconds: float, clients: int, warmup: int = 6, ma
                         counts["stream_mismatch"] += 1
                     if first.setdefault(key, list(result.token_ids)) != list(result.token_ids):
                         counts["mismatch"] += 1
+                    cache["end"] = result.stats.get("prompt_cache_bytes", 0)
                     if counts["answered"] == warmup:
                         rss["after_warmup"] = rss_bytes(pid)
+                        cache["after_warmup"] = cache["end"]
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
     for t in threads:
@@ -87,8 +90,12 @@ def soak(sock: Path, pid: int, seconds: float, clients: int, warmup: int = 6, ma
     with SyncClient(sock) as c:
         stats = c.stats()["daemon"]
     rss["end"] = rss_bytes(pid)
+    warm = rss.get("after_warmup")
     return {"seconds": seconds, "clients": clients, **counts, "distinct_requests": len(first),
-            "rss_after_warmup_bytes": rss.get("after_warmup"), "rss_end_bytes": rss["end"],
+            "rss_after_warmup_bytes": warm, "rss_end_bytes": rss["end"],
+            "prompt_cache_after_warmup_bytes": cache.get("after_warmup"), "prompt_cache_end_bytes": cache.get("end"),
+            "rss_growth_net_bytes": None if warm is None else
+            rss["end"] - warm - (cache.get("end", 0) - cache.get("after_warmup", 0)),
             "pool": stats["pool"], "daemon_requests": stats["requests"]}
 
 
