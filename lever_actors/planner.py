@@ -213,11 +213,16 @@ class DraftPace:
 
     def limits(self, hidden: bool, max_depth: int, node_s: float) -> tuple[int, float]:
         """(depth cap, least path probability worth another level) of the next draft."""
+        if hidden:  # the speculative request also feeds the assumed paths and their roots: two calls more
+            # a draft hidden behind the pass needs only its own level time (the passes may all hit,
+            # so that no draft is ever waited for)
+            level_s = self.hidden_level_s or self.level_s
+            if None in (level_s, self.verify_s, self.rate):
+                return max_depth, 0.0
+            depth = int(self.verify_s / level_s) - 2
+            return max(1, min(max_depth, depth)), min(self.rate * node_s, 0.9)
         if not self.ready:
             return max_depth, 0.0
-        if hidden:  # the speculative request also feeds the assumed paths and their roots: two calls more
-            depth = int(self.verify_s / (self.hidden_level_s or self.level_s)) - 2
-            return max(1, min(max_depth, depth)), min(self.rate * node_s, 0.9)
         return max_depth, min(self.rate * (self.level_s + node_s), 0.9)
 
 

@@ -119,3 +119,16 @@ def test_draft_pace_drafts_what_fits_behind_the_pass_and_stops_serial_drafts_whe
     assert pace.limits(hidden=False, max_depth=16, node_s=0.01)[1] < p_serial  # a slower rate: a level pays sooner
     pace.observe_draft(draft_s=1.0, calls=2)  # a slow drafter: hidden drafts get shallow
     assert pace.limits(hidden=True, max_depth=16, node_s=0.01)[0] == 1
+
+
+def test_hidden_drafts_are_capped_once_their_own_level_time_is_known():
+    """Every pass may find its tree drafted ahead, so no draft is ever waited for: the cap of a hidden
+    draft must not wait for a waited-for level time (it once did, and drafted 16 levels behind every pass)."""
+    from lever_actors.planner import DraftPace
+
+    pace = DraftPace(alpha=1.0)
+    pace.observe_draft(draft_s=0.6, calls=10, hidden=True)  # 60 ms a level, three hypotheses' rows
+    pace.observe_pass(committed=6, pass_s=0.6, waited_s=0.0)
+    assert pace.level_s is None and not pace.ready
+    assert pace.limits(hidden=True, max_depth=16, node_s=0.01)[0] == int(0.6 / 0.06) - 2
+    assert pace.limits(hidden=False, max_depth=16, node_s=0.01) == (16, 0.0)  # a waited-for draft: nothing known yet
