@@ -202,7 +202,10 @@ def _prompt_cache(text: str | None) -> int | None:
         return None
     if str(text).strip() == "0":
         return 0
-    size = parse_size(text)
+    try:
+        size = parse_size(text)
+    except ConfigError:
+        raise ConfigError(f"--prompt-cache takes a size such as 32MiB, 0 (off) or 'auto', not {text!r}") from None
     if size is None:
         raise ConfigError("--prompt-cache takes a size, 0 or 'auto', not 'unlimited'")
     return size

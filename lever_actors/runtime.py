@@ -65,15 +65,13 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
 
     d = target.dims
     precision = cfg.lane.precision
-    kv = 2 * d["n_layer"] * d["n_kv_head"] * cfg.context * d["head_dim"] * kv_bytes(target.layout, precision)
-    items = {"target_kv": kv, "activations": activation_bytes(d, cfg.context), **(extra or {})}
+    items = {"target_kv": cfg.context * kv_row_bytes(target, target.layout, precision), "activations": activation_bytes(d, cfg.context), **(extra or {})}
     if cfg.dram_budget is not None and cfg.mode != "resident-ar" and runtime_baseline() > 0:
         items = {"runtime": runtime_baseline(), "headroom": HEADROOM, **items}
     if draft_bundle is not None:
         dd = draft_bundle.dims
         items["draft_weights"] = draft_bytes
-        items["draft_kv"] = (2 * dd["n_layer"] * dd["n_kv_head"] * cfg.context * dd["head_dim"]
-                             * kv_bytes(draft_bundle.layout, precision))
+        items["draft_kv"] = cfg.context * kv_row_bytes(draft_bundle, draft_bundle.layout, precision)
     budget = cfg.dram_budget if cfg.mode != "resident-ar" else None
     if target.layout != "native" and budget is not None:
         raise ConfigError(
@@ -96,10 +94,10 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
 UNLIMITED_PROMPT_CACHE = 256 * 2**20  # the prompt cache's default size where no budget bounds it
 
 
-def kv_row_bytes(bundle, context_layout: str, precision: str) -> int:
+def kv_row_bytes(bundle, layout: str, precision: str) -> int:
     """Bytes of one sequence position in a model's KV cache (K and V of every layer)."""
     d = bundle.dims
-    return 2 * d["n_layer"] * d["n_kv_head"] * d["head_dim"] * kv_bytes(context_layout, precision)
+    return 2 * d["n_layer"] * d["n_kv_head"] * d["head_dim"] * kv_bytes(layout, precision)
 
 
 def with_prompt_cache(plan: BudgetPlan, cfg, target, draft) -> tuple[BudgetPlan, dict]:

@@ -102,7 +102,7 @@ def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundl
     assert runs[True]["spec_hits"] > runs[False]["spec_hits"]
 
 
-def test_drafting_until_the_commit_drops_late_answers_and_changes_no_token(tiny_bundles, ar_tokens):
+def test_drafting_until_the_commit_drops_late_answers_and_changes_no_token(tiny_bundles, ar_tokens, monkeypatch):
     """+draft-until-commit: the trees drafted ahead grow a level per request while the pass runs; answers
     still being drafted at the commit are dropped, the draft's rows stay exact, the output is the same."""
     import numpy as np
@@ -113,9 +113,20 @@ def test_drafting_until_the_commit_drops_late_answers_and_changes_no_token(tiny_
 
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
+    from actors.draft import Drafter
+
     cfg = EngineConfig(mode="lever", gamma=16, context=CONTEXT, dram_budget=24 * 2**20, draft_until_commit=True)
     assert cfg.mode_string() == "lever:16+draft-until-commit"
+    extends = []
+    original = Drafter._extend
+
+    def counting(self, req):
+        extends.append(req.levels)
+        return original(self, req)
+
+    monkeypatch.setattr(Drafter, "_extend", counting)
     toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
+    assert extends and set(extends) == {1}  # the trees drafted ahead did grow a level per request
     assert toks == ar_tokens
     assert stats["spec_hits"] > 0
     d = pipe.drafter
