@@ -203,6 +203,8 @@ class Drafter:
                 raise ValueError(f"confirmed hypothesis {req.confirmed_hypothesis} was never assumed")
             committed = self.outcomes[req.confirmed_hypothesis] + committed
         self._sync(committed)
+        if req.reset:  # the answer's draft_s is the drafting's, not the prompt's digestion (the pace learns from it)
+            t0 = time.perf_counter()
         if self.root_hidden is None and (req.hypotheses or (req.max_depth > 0 and req.max_nodes > 0)):
             raise RuntimeError("draft request commits nothing new: the root must be newly committed")
         if req.hypotheses:

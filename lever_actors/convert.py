@@ -225,9 +225,9 @@ def convert(gguf_path: str | os.PathLike, out: str | os.PathLike, *, progress: C
         vocab = int(emb.shape[1])
         dims["vocab_size"] = vocab
         flash = RegionWriter(tmp / "flash.bin", "flash.bin")
-        off, nbytes, sha = flash.write_raw(ts.raw("token_embd.weight"))
+        off, nbytes, sha, fast = flash.write_raw(ts.raw("token_embd.weight"))
         embedding = {
-            "file": "flash.bin", "offset": off, "nbytes": nbytes, "sha256": sha, "type": emb.tensor_type.name,
+            "file": "flash.bin", "offset": off, "nbytes": nbytes, "sha256": sha, "xxh3": fast, "type": emb.tensor_type.name,
             "rows": vocab, "k": dims["hidden"], "row_bytes": tensor_nbytes(emb.tensor_type, dims["hidden"]),
         }
         layers = []

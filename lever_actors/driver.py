@@ -284,7 +284,10 @@ class Pipeline:
                 break
             if g.prefill_draft:
                 g.prefill_draft = False
-                self._settle_assumption(g, commit, [await self._receive_draft(g) for _ in range(max(g.spec.in_flight, 1))])
+                exps = [await self._receive_draft(g) for _ in range(max(g.spec.in_flight, 1))]
+                if self._planning(g) and g.spec.in_flight and len(exps[0].tokens):  # the pace's first level time
+                    self.lever.pace.observe_draft(exps[0].draft_s, max(expansion_depth(e) for e in exps) + 2, hidden=True)
+                self._settle_assumption(g, commit, exps)
             g.step += 1
             t_pass, g.pass_wait_s = time.perf_counter(), 0.0
             tree = self._plan(g, await self._next_tree(g))
@@ -321,6 +324,7 @@ class Pipeline:
             if ahead:
                 g.spec.assume(1)
         n = len(g.prompt)
+        io0, check0 = self.tracer.busy("flash"), self.prefetcher.check_s
         await self.plan_send.send(VerifyPlan(
             session_id=g.sid, step=0, epoch=0, position=0, tokens=np.asarray(g.prompt, np.int32),
             parents=np.arange(-1, n - 1, dtype=np.int32), depths=np.arange(n, dtype=np.int32), bucket=n,
@@ -329,6 +333,9 @@ class Pipeline:
         ps = await self._receive(self.stats_recv, g.sid)
         _raise_fault(commit)
         g.stats.cache_n, g.stats.prompt_n = ps.cache_n, n - ps.cache_n
+        if self._planning(g):  # a fresh process plans its first pass from the prefill's reads and compute
+            reads_s = self.tracer.busy("flash") - io0 - (self.prefetcher.check_s - check0)
+            self.lever.seed(g.stats.prompt_n, reads_s, ps.compute_s)
         # the first token goes out now; the draft's answer (it digests the prompt, and may still be
         # at it after a long one) is collected before the first pass
         g.prefill_draft = self.drafter is not None

@@ -108,6 +108,16 @@ class CostModel:
         self.floor_s = self._ema(self.floor_s, max(pass_s - draft_s, compute_s))
         self.draft_per_node_s = (1 - self.alpha) * self.draft_per_node_s + self.alpha * draft_s / n
 
+    def seed(self, n_rows: int, io_s: float, compute_s: float) -> None:
+        """Start from the prefill pass, before any decode pass is measured: its flash reads are one
+        pass's floor and its compute one point of the line (a fresh process then plans its first
+        tree instead of verifying everything drafted)."""
+        if self.ready or n_rows < 1 or io_s <= 0:
+            return
+        n = float(n_rows)
+        self._sums = self.alpha * np.array([1.0, n, n * n, compute_s, n * compute_s])
+        self.floor_s = io_s
+
     @property
     def ready(self) -> bool:
         return self.floor_s is not None
@@ -217,13 +227,16 @@ class DraftPace:
             # a draft hidden behind the pass needs only its own level time (the passes may all hit,
             # so that no draft is ever waited for)
             level_s = self.hidden_level_s or self.level_s
-            if None in (level_s, self.verify_s, self.rate):
+            if None in (level_s, self.verify_s):
                 return max_depth, 0.0
             depth = int(self.verify_s / level_s) - 2
-            return max(1, min(max_depth, depth)), min(self.rate * node_s, 0.9)
-        if not self.ready:
+            return max(1, min(max_depth, depth)), 0.0 if self.rate is None else min(self.rate * node_s, 0.9)
+        # before any draft was waited for, a level drafted ahead says what one costs (a little more:
+        # it holds several hypotheses' rows)
+        level_s = self.level_s or self.hidden_level_s
+        if None in (level_s, self.verify_s, self.rate):
             return max_depth, 0.0
-        return max_depth, min(self.rate * (self.level_s + node_s), 0.9)
+        return max_depth, min(self.rate * (level_s + node_s), 0.9)
 
 
 @dataclass
@@ -237,6 +250,13 @@ class LeverPolicy:
     ngram_calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     max_depth: int = 16
     last_size: int = 0
+
+    def seed(self, n_rows: int, io_s: float, compute_s: float) -> None:
+        """The prefill pass's measurements, until decode passes replace them (see CostModel.seed)."""
+        if not self.costs.ready:
+            self.costs.seed(n_rows, io_s, compute_s)
+            if self.pace.verify_s is None and io_s > 0:
+                self.pace.verify_s = io_s
 
     def draft_limits(self, hidden: bool, max_depth: int) -> tuple[int, float]:
         """(depth cap, least path probability) of the next draft request: see :class:`DraftPace`."""

@@ -227,10 +227,10 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
     if db is not None:
         drafter_model = await trio.to_thread.run_sync(
             lambda: Transformer(db, cfg.context, draft_lane, load_head=subset_head is None))
-    stages = [StreamStage(i, r.file, r.offset, r.nbytes, r.sha256, f"layer {i}")
+    stages = [StreamStage(i, r.file, r.offset, r.nbytes, r.xxh3, f"layer {i}")
               for i, r in enumerate(tb.layers) if i in plan.streamed]
     if plan.head_streamed:
-        stages += [StreamStage(tb.n_layer + c, h.file, h.offset, h.nbytes, h.sha256, f"LM head slice {c}")
+        stages += [StreamStage(tb.n_layer + c, h.file, h.offset, h.nbytes, h.xxh3, f"LM head slice {c}")
                    for c, h in enumerate(tb.head_chunks)]
     slot_read = max((s.nbytes for s in stages), default=0)
     pool = [aligned_buffer(slot_read) for _ in range(plan.n_slots if stages else 0)]

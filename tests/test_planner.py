@@ -131,4 +131,31 @@ def test_hidden_drafts_are_capped_once_their_own_level_time_is_known():
     pace.observe_pass(committed=6, pass_s=0.6, waited_s=0.0)
     assert pace.level_s is None and not pace.ready
     assert pace.limits(hidden=True, max_depth=16, node_s=0.01)[0] == int(0.6 / 0.06) - 2
-    assert pace.limits(hidden=False, max_depth=16, node_s=0.01) == (16, 0.0)  # a waited-for draft: nothing known yet
+    # a waited-for draft before any was waited for: the hidden level time stands in (it once drafted
+    # 16 levels, about a second, on a fresh process's first miss)
+    assert pace.limits(hidden=False, max_depth=16, node_s=0.01) == (16, pytest.approx(10 * (0.06 + 0.01)))
+
+
+def test_a_fresh_process_plans_its_first_pass_from_the_prefill():
+    """Seeded by the prefill (its reads one pass's floor, its compute one point of the line), the
+    policy plans and caps the first drafts instead of verifying and drafting everything; the decode
+    passes then replace the seed."""
+    from lever_actors.planner import LeverPolicy
+
+    pol = LeverPolicy()
+    assert not pol.costs.ready and pol.draft_limits(hidden=True, max_depth=16) == (16, 0.0)
+    pol.seed(n_rows=100, io_s=0.5, compute_s=3.0)  # 30 ms a row, 0.5 s of reads
+    assert pol.costs.ready and pol.costs.floor_s == 0.5 and pol.pace.verify_s == 0.5
+    c0, c1 = pol.costs.compute_line()
+    assert c0 == pytest.approx(0.0) and c1 == pytest.approx(0.03)
+    assert pol.costs.cost(4) == pytest.approx(0.5) and pol.costs.cost(30) == pytest.approx(0.9)
+    parents = np.arange(-1, 32)  # a 32-deep chain, every node a sure thing: a floor-sized plan, not all 32
+    keep = pol.select(parents, np.ones(33), max_nodes=32)
+    assert 16 <= len(keep) - 1 < 32
+    pol.pace.observe_draft(draft_s=0.6, calls=10, hidden=True)  # the prefill's own draft: 60 ms a level
+    assert pol.draft_limits(hidden=True, max_depth=16) == (int(0.5 / 0.06) - 2, 0.0)
+    pol.seed(n_rows=10, io_s=9.0, compute_s=9.0)  # once seeded (or measured), a seed changes nothing
+    assert pol.costs.floor_s == 0.5
+    for _ in range(20):
+        pol.costs.observe(n_nodes=8, pass_s=0.7, compute_s=0.4, draft_s=0.0)
+    assert pol.costs.floor_s == pytest.approx(0.7, abs=0.01)
