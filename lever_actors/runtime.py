@@ -128,11 +128,13 @@ def _draft_weight_bytes(bundle, head=None) -> int:
     return int((sum(bundle.layer_bytes()) + head_bytes) * factor)
 
 
-def draft_head(cfg, bundle, lane):
-    """(SubsetHead or None, description): the draft's calibrated vocabulary subset, when it has one."""
+def draft_head(cfg, bundle, lane, too_big: bool = False):
+    """(SubsetHead or None, description): the draft's calibrated vocabulary subset, when it has one.
+    The baselines draft over the whole vocabulary unless ``too_big``: the full head does not fit the
+    budget (a long context), where the subset (lossless: the target still decides) lets them run."""
     from lever_actors.draft_vocab import SubsetHead, subset_for
 
-    if cfg.mode != "lever":
+    if cfg.mode != "lever" and not too_big:
         return None, "full (the baselines draft over the whole vocabulary; the subset is lever's)"
     if not cfg.vocab_trim:
         return None, "full (+no-vocab-trim)"
@@ -143,7 +145,8 @@ def draft_head(cfg, bundle, lane):
         return None, "full (no calibrated subset for this draft; see tools/calibrate_draft_vocab.py)"
     ids, meta, path = found
     cov = meta.get("coverage_generated")
-    note = f"{len(ids)} of {bundle.dims['vocab_size']} tokens + the prompt's" + (
+    note = ("the full head does not fit the budget: " if too_big and cfg.mode != "lever" else "") + \
+        f"{len(ids)} of {bundle.dims['vocab_size']} tokens + the prompt's" + (
         f", {100 * cov:.2f}% of target-generated dev text" if cov is not None else "") + f" ({path.name})"
     return SubsetHead(bundle, ids, lane), note
 
@@ -217,8 +220,16 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         head_rows = HeadRows(tb)
     draft_lane = LaneConfig(threads=cfg.draft_threads, providers=cfg.lane.providers, precision=cfg.lane.precision)
     subset_head, vocab_note = draft_head(cfg, db, draft_lane) if db is not None else (None, "no draft")
-    plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head) if db is not None else 0,
-                        {"prune_head_rows": head_rows.cache_bytes} if head_rows is not None else None)
+    extra = {"prune_head_rows": head_rows.cache_bytes} if head_rows is not None else None
+    try:
+        plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head) if db is not None else 0, extra)
+    except BudgetError:
+        if db is None or cfg.mode == "lever":  # lever's full head is the +no-vocab-trim ablation: refused
+            raise
+        subset_head, vocab_note = draft_head(cfg, db, draft_lane, too_big=True)
+        if subset_head is None:
+            raise
+        plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head), extra)
     plan, store_bytes = with_prompt_cache(plan, cfg, tb, db)
     lane = cfg.lane
     target = await trio.to_thread.run_sync(

@@ -75,6 +75,28 @@ def test_the_baselines_keep_the_full_head(tiny_bundles, trimmed_draft):
     assert drafter.head.ids is None and plan["draft_vocab"].startswith("full (the baselines")
 
 
+def test_a_baseline_whose_full_head_does_not_fit_drafts_over_the_subset(tiny_bundles, trimmed_draft):
+    """A long context can leave no room for the draft's full head (the real pair at --context 4096
+    in 768 MiB): the baselines then run with the subset, say so in the plan, and stay lossless."""
+    from lever_actors.errors import BudgetError
+
+    target = tiny_bundles[0]
+    ids = load_tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="flash-chain", gamma=3, context=CONTEXT, dram_budget=1)
+    with pytest.raises(BudgetError) as full:  # the same draft without a subset: the full head's minimum
+        trio.run(_generate, cfg, target, tiny_bundles[1], ids, SamplingParams())
+    with pytest.raises(BudgetError) as trimmed:
+        trio.run(_generate, cfg, target, trimmed_draft, ids, SamplingParams())
+    assert trimmed.value.minimum < full.value.minimum
+    ref = trio.run(_generate, EngineConfig(mode="resident-ar", context=CONTEXT), target, None, ids, SamplingParams())[0]
+    tight = EngineConfig(mode="flash-chain", gamma=3, context=CONTEXT, dram_budget=full.value.minimum - 1)
+    toks, stats, plan, drafter = trio.run(_generate, tight, target, trimmed_draft, ids, SamplingParams())
+    assert toks == ref and stats["draft_n"] > 0
+    assert isinstance(drafter.head, SubsetHead) and plan["draft_vocab"].startswith("the full head does not fit")
+    roomy = EngineConfig(mode="flash-chain", gamma=3, context=CONTEXT, dram_budget=full.value.minimum + 2**20)
+    assert trio.run(_generate, roomy, target, trimmed_draft, ids, SamplingParams())[3].head.ids is None
+
+
 @pytest.mark.parametrize("mode", ["lever:12", "lever:5+no-adaptive-depth", "lever:8+fixed-tree", "lever:8+core-borrow"])
 def test_greedy_speculation_with_a_subset_head_equals_resident_ar(tiny_bundles, trimmed_draft, mode):
     target = tiny_bundles[0]
