@@ -61,6 +61,7 @@ class RunStats:
     draft_s: float = 0.0  # drafting done serially, after the commit it needed
     draft_hidden_s: float = 0.0  # drafting done beside verification (cross-step, assumption held)
     draft_wait_s: float = 0.0  # wall time the pass sequence stood still waiting for the drafter
+    draft_overrun_s: float = 0.0  # ... of it, for drafting beside a pass that had committed already
     draft_tokens: int = 0  # draft model rows computed (every drafted node, hidden or not)
     draft_busy_s: float = 0.0  # drafter time spent computing them
     spec_hits: int = 0
@@ -91,7 +92,7 @@ class RunStats:
             "spec_hit_rate": self.spec_hits / (self.spec_hits + self.spec_misses)
             if self.spec_hits + self.spec_misses else None,
             "ngram_offered": self.ngram_offered, "ngram_n": self.ngram_n, "ngram_accepted": self.ngram_accepted,
-            "draft_wait_s": self.draft_wait_s, "draft_tokens": self.draft_tokens, "draft_busy_s": self.draft_busy_s,
+            "draft_wait_s": self.draft_wait_s, "draft_overrun_s": self.draft_overrun_s, "draft_tokens": self.draft_tokens, "draft_busy_s": self.draft_busy_s,
             "draft_wait_share": self.draft_wait_s / self.pass_s if self.pass_s > 0 else 0.0,
             "draft_ms_per_token": 1e3 * self.draft_busy_s / self.draft_tokens if self.draft_tokens else None,
             "pass_s": self.pass_s, "cache_n": self.cache_n, "prompt_n": self.prompt_n, "ttft_s": self.ttft_s,
@@ -540,7 +541,9 @@ class Pipeline:
         if g.ahead is not None:  # drafted until the commit: already in
             exps, g.ahead = g.ahead, None
         else:
+            waited = g.stats.draft_wait_s
             exps = [await self._receive_draft(g) for _ in range(g.spec.in_flight)]
+            g.stats.draft_overrun_s += g.stats.draft_wait_s - waited
             if exps:  # it also fed the assumed paths and their roots: two calls
                 self.lever.pace.observe_draft(exps[0].draft_s, max(expansion_depth(e) for e in exps) + 2, hidden=True)
         self._settle_assumption(g, commit, exps)

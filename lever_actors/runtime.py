@@ -33,7 +33,7 @@ from lever_actors.lanes import ThreadLanes
 from lever_actors.model import Transformer
 from lever_actors.ortrt import LaneConfig
 from lever_actors.prefix_cache import PrefixStore
-from lever_actors.trace import Tracer
+from lever_actors.trace import TRACE_FILE_EVENTS, Tracer
 
 # Channel capacities, one table (STYLE 8.7). One pass is in flight at a time, so
 # every link carries at most one message per pass; 1 is enough and keeps
@@ -326,7 +326,7 @@ def run_generation(cfg, tbundle, dbundle, tok, ids, max_tokens, params, on_token
     """Synchronous entry for ``generate``: one pipeline, one generation."""
     from lever_actors.decode import Result
 
-    tracer = Tracer(enabled=True)
+    tracer = Tracer(enabled=True, max_events=TRACE_FILE_EVENTS) if cfg.trace else Tracer(enabled=True)
     result = {}
 
     async def main():

@@ -80,12 +80,21 @@ class EngineBackend:
         emitted: list[int] = []
 
         async def on_tokens(toks: list[int]) -> bool:
+            # token by token: how many tokens a pass commits at once depends on the drafted trees
+            # (and a planner's timings), so the text and the ids must not (the ids end with the
+            # token that completes a stop string, whatever else its pass committed)
             if stops.stopped:
                 return True
-            piece = stops.feed("".join(dec.feed(t) for t in toks if t not in eos))
+            pieces, taken = [], []
+            for t in toks:
+                pieces.append(stops.feed("" if t in eos else dec.feed(t)))
+                taken.append(t)
+                if stops.stopped:
+                    break
+            piece = "".join(pieces)
             text_parts.append(piece)
-            emitted.extend(toks)
-            await emit(piece, list(toks))
+            emitted.extend(taken)
+            await emit(piece, taken)
             return stops.stopped
 
         t0 = time.perf_counter()

@@ -94,3 +94,45 @@ def test_cancel_mid_generation_leaves_the_daemon_exact(engine_daemon, tiny_bundl
 
     r = trio.run(main)
     assert r.token_ids == resident_tokens(tiny_bundles[0], 30)[: len(r.token_ids)]
+
+
+@pytest.mark.parametrize("mode", ["flash-chain:2", "flash-chain:6", "lever:8"])
+def test_a_stop_string_ends_the_ids_where_it_ends_the_text_whatever_a_pass_commits(tiny_bundles, mode):
+    """A pass commits several tokens at once, as many as its tree allowed; the answer to a request
+    with a stop string must not depend on that: its ids end with the token that completes the stop
+    (a soak of the real pair once saw the same request answer with different ids)."""
+    from lever_actors.backend import GenerateParams
+    from lever_actors.service import EngineBackend
+
+    target, draft = tiny_bundles
+    tok = TextTokenizer.from_file(target / "tokenizer.json")
+    ref = resident_tokens(target, 24)
+    cut = next(i for i in range(6, 20) if tok.decode(ref[i - 2:i + 1]).strip())
+    stop = tok.decode(ref[cut - 2:cut + 1])  # completed by token `cut`, mid-way through some pass
+
+    def answer(cfg):
+        backend = EngineBackend(cfg)
+        chunks = []
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                await nursery.start(backend.run)
+                out = await backend.generate(GenerateParams(PROMPT, None, 24, 0.0, 1.0, None, (stop,), None),
+                                             lambda text, ids: _append(chunks, text, ids))
+                nursery.cancel_scope.cancel()
+            return out
+
+        return trio.run(main), chunks
+
+    base = EngineConfig(target=str(target), draft=str(draft), context=256, dram_budget=12 * 2**20)
+    want, _ = answer(EngineConfig(target=str(target), context=256))
+    got, chunks = answer(base.with_mode(mode))
+    assert want.finish_reason == got.finish_reason == "stop" and stop not in want.text
+    first = tok.decode(ref).find(stop)
+    assert want.text == got.text == tok.decode(ref)[:first]
+    assert want.token_ids == got.token_ids and got.token_ids[-1] == ref[len(got.token_ids) - 1]
+    assert [t for _, ids in chunks for t in ids] == got.token_ids and "".join(t for t, _ in chunks) == got.text
+
+
+async def _append(chunks, text, ids):
+    chunks.append((text, list(ids)))

@@ -11,7 +11,9 @@ threads send generate requests back to back, streaming, from a fixed set of prom
   the same request equals the first one (greedy output is deterministic);
 - the daemon's RSS after warm-up and at the end (a leak shows as growth; the test allows a stated
   tolerance), and the prompt cache's bytes then (copies of earlier sequences' KV rows, which grow
-  by design up to their line of the budget: ``rss_growth_net_bytes`` leaves them out);
+  by design up to their line of the budget: ``rss_growth_net_bytes`` leaves them out), and
+  ``rss_samples`` (seconds in, RSS, prompt-cache bytes) about every tenth of the run, which show
+  whether the growth levels off;
 - the buffer pool is whole at the end: no more slots lent than the pool holds (an idle streaming
   daemon keeps them filled with the next pass's first layers), every request completed.
 """
@@ -46,7 +48,9 @@ def soak(sock: Path, pid: int, seconds: float, clients: int, warmup: int = 6, ma
     lock = threading.Lock()
     counts = {"answered": 0, "busy": 0, "tokens": 0, "mismatch": 0, "stream_mismatch": 0, "errors": []}
     rss, cache = {}, {}
-    deadline = time.monotonic() + seconds
+    start = time.monotonic()
+    deadline = start + seconds
+    samples: list[tuple[float, int, int]] = []  # (seconds in, RSS, prompt-cache bytes): does growth level off?
 
     def client(k: int) -> None:
         i = 0
@@ -81,6 +85,9 @@ def soak(sock: Path, pid: int, seconds: float, clients: int, warmup: int = 6, ma
                     if counts["answered"] == warmup:
                         rss["after_warmup"] = rss_bytes(pid)
                         cache["after_warmup"] = cache["end"]
+                    now = time.monotonic() - start
+                    if counts["answered"] >= warmup and (not samples or now - samples[-1][0] >= seconds / 10):
+                        samples.append((round(now, 1), rss_bytes(pid), cache["end"]))
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
     for t in threads:
@@ -96,7 +103,7 @@ def soak(sock: Path, pid: int, seconds: float, clients: int, warmup: int = 6, ma
             "prompt_cache_after_warmup_bytes": cache.get("after_warmup"), "prompt_cache_end_bytes": cache.get("end"),
             "rss_growth_net_bytes": None if warm is None else
             rss["end"] - warm - (cache.get("end", 0) - cache.get("after_warmup", 0)),
-            "pool": stats["pool"], "daemon_requests": stats["requests"]}
+            "rss_samples": samples, "pool": stats["pool"], "daemon_requests": stats["requests"]}
 
 
 def main(argv: list[str] | None = None) -> int:
