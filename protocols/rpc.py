@@ -83,7 +83,10 @@ seed?: int | nil, stop?: [str] = [], mode?: str | nil, cache_prompt?: bool = tru
     the new text and ``token_ids`` the new token ids. Either may be empty
     (text of a character split across tokens is held back until complete),
     never both. The chunks come in order; their concatenation is the final
-    text and token list. Then the response: ``{"request_id": int, "text": str,
+    text and token list. A stop string ends the text where it begins and the
+    token list with the token that completes it, however many tokens the
+    backend decoded at once (greedy answers are the same, id for id, in every
+    mode). Then the response: ``{"request_id": int, "text": str,
     "token_ids": [int], "finish_reason": "stop" | "length" | "cancelled",
     "prompt_tokens": int, "stats": map, "timings": map}``. ``stats`` holds
     the backend's ``draft_n``, ``draft_n_accepted``, ``mean_accepted``,
