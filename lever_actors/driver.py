@@ -92,7 +92,8 @@ class RunStats:
             "spec_hit_rate": self.spec_hits / (self.spec_hits + self.spec_misses)
             if self.spec_hits + self.spec_misses else None,
             "ngram_offered": self.ngram_offered, "ngram_n": self.ngram_n, "ngram_accepted": self.ngram_accepted,
-            "draft_wait_s": self.draft_wait_s, "draft_overrun_s": self.draft_overrun_s, "draft_tokens": self.draft_tokens, "draft_busy_s": self.draft_busy_s,
+            "draft_wait_s": self.draft_wait_s, "draft_overrun_s": self.draft_overrun_s,
+            "draft_tokens": self.draft_tokens, "draft_busy_s": self.draft_busy_s,
             "draft_wait_share": self.draft_wait_s / self.pass_s if self.pass_s > 0 else 0.0,
             "draft_ms_per_token": 1e3 * self.draft_busy_s / self.draft_tokens if self.draft_tokens else None,
             "pass_s": self.pass_s, "cache_n": self.cache_n, "prompt_n": self.prompt_n, "ttft_s": self.ttft_s,
