@@ -6,8 +6,8 @@ import zlib
 from dataclasses import dataclass
 
 import trio
-import xxhash
 
+from lever_actors.bundle import fast_digest
 from lever_actors.errors import FlashFault
 from protocols import LayerReady, LayerReleased
 
@@ -86,7 +86,7 @@ class FlashPrefetcher:
         """Verify the region's bytes (fully the first time, then at three pages); raise FlashFault."""
         where = f"{what} ({self.files[stage.file].path} at offset {stage.offset})"
         if stage.stage not in self.probes:
-            if stage.xxh3 and xxhash.xxh3_128_hexdigest(data) != stage.xxh3:
+            if stage.xxh3 and fast_digest(data) != stage.xxh3:
                 raise FlashFault(f"{where} does not match the bundle's checksum: the bundle is damaged "
                                  f"(run `lever-actors models verify`, then reconvert)", retryable=False)
             self.probes[stage.stage] = _probe(data)

@@ -65,11 +65,11 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
 
     d = target.dims
     precision = cfg.lane.precision
-    items = {"target_kv": cfg.context * kv_row_bytes(target, target.layout, precision), "activations": activation_bytes(d, cfg.context), **(extra or {})}
+    items = {"target_kv": cfg.context * kv_row_bytes(target, target.layout, precision),
+             "activations": activation_bytes(d, cfg.context), **(extra or {})}
     if cfg.dram_budget is not None and cfg.mode != "resident-ar" and runtime_baseline() > 0:
         items = {"runtime": runtime_baseline(), "headroom": HEADROOM, **items}
     if draft_bundle is not None:
-        dd = draft_bundle.dims
         items["draft_weights"] = draft_bytes
         items["draft_kv"] = cfg.context * kv_row_bytes(draft_bundle, draft_bundle.layout, precision)
     budget = cfg.dram_budget if cfg.mode != "resident-ar" else None
