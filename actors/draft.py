@@ -50,6 +50,7 @@ class Drafter:
         self.outcomes: list[list[int]] = []  # tokens each hypothesis of the last request assumed
         self.growing: dict | None = None  # the last request's trees, while an extend request may grow them
         self.tree = ScratchTree()  # everything drafted or assumed below the root (node i in KV slot length + i)
+        self._column_ids, self._column_at = None, None  # token -> head column, for the head's current ids
 
     def _use_threads(self, n: int) -> None:
         """Kernel threads of this draft (native kernels take them per call; ORT sessions keep theirs)."""
@@ -164,15 +165,23 @@ class Drafter:
             for h, row in zip(live, logits):
                 excluded = hypotheses[h][1]
                 if excluded:
-                    row = np.where(self._columns_of(excluded), -np.inf, row)
+                    row = row.copy()
+                    row[self._columns_of(excluded)] = -np.inf
                 roots[h] = self._node(ends[h], self._token(int(np.argmax(row))))
         self._feed_nodes([r for r in roots if r is not None])
         return roots
 
     def _columns_of(self, tokens) -> np.ndarray:
-        """Mask of the head's columns holding ``tokens``."""
-        ids = np.arange(self.m.vocab) if self.head.ids is None else np.asarray(self.head.ids)
-        return np.isin(ids, np.asarray(tokens, np.int64))
+        """The head's columns holding ``tokens`` (those the head scores)."""
+        tokens = np.asarray(tokens, np.int64)
+        if self.head.ids is None:
+            return tokens
+        if self._column_ids is not self.head.ids:  # the head's columns change with the prompt only
+            self._column_ids = self.head.ids
+            self._column_at = np.full(self.m.vocab, -1, np.int64)
+            self._column_at[np.asarray(self.head.ids)] = np.arange(len(self.head.ids))
+        cols = self._column_at[tokens]
+        return cols[cols >= 0]
 
     # -- drafting -----------------------------------------------------------------------------------
 

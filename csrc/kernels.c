@@ -8,9 +8,10 @@
  * Numerics are batch- and thread-invariant by construction: output (i, j) is
  * computed by the same instruction sequence whatever the number of rows N or the
  * thread split (threads split the weight rows j, never the reduction), integer
- * partial sums are exact, and the float combination per 256-block is one piece
- * of scalar code shared by the SIMD and portable paths. Build with
- * -ffp-contract=off so no FMA contraction changes the float order behind our back.
+ * partial sums are exact, and the float combination follows llama.cpp's AVX2
+ * lanes in every path (SIMD and portable give the same bits). Build with
+ * -ffp-contract=off so no FMA contraction changes the float order behind our back;
+ * the fused multiply-adds llama.cpp's compiler makes are written out as fmaf.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,6 +30,7 @@
 
 enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3, T_Q5_0 = 4 };
 #define QK 256
+#define KLANES 16 /* floats each K-quant output keeps per activation row until its final sum */
 
 /* Activations carry one scale per group of QK columns. Rows of the 32-block types (Q8_0,
  * Q5_0, F32) need only be a multiple of 32 (the 0.5B draft's rows are 896 wide): their
@@ -97,7 +99,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t
                 if (v < -127.0f) v = -127.0f;
                 qs[e] = (int8_t)v;
             }
-            d[s] = amax / 127.0f;
+            d[s] = 1.0f / iscale; /* llama.cpp's q8_K: the scale is the reciprocal of the one applied */
         }
         for (int j = 0; j < QK / 16; j++) {
             int32_t t = 0;
@@ -119,8 +121,11 @@ static inline int32_t hsum_i32(__m256i v) {
 }
 #endif
 
-/* sum_b sc[b] * sum_{e in b} q4[e] * a[e] over one Q4_K block */
-static inline int32_t dot_q4k(const uint8_t *qs, const uint8_t *sc, const int8_t *a) {
+/* The integer part of one K-quant block against 256 int8 activations, split in eight lanes
+ * the way llama.cpp's AVX2 vec_dot splits it: lane l holds bytes 4l..4l+3 of every 32-element
+ * run. Its float accumulation then follows those lanes, which is what keeps our greedy
+ * output on llama.cpp's near-ties. */
+static inline void lanes_q4k(const uint8_t *qs, const uint8_t *sc, const int8_t *a, int32_t *lane) {
 #ifdef LEVER_AVX2
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256i acc = _mm256_setzero_si256();
@@ -133,23 +138,23 @@ static inline int32_t dot_q4k(const uint8_t *qs, const uint8_t *sc, const int8_t
         __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), _mm256_set1_epi16(sc[2 * c + 1]));
         acc = _mm256_add_epi32(acc, _mm256_add_epi32(p0, p1));
     }
-    return hsum_i32(acc);
+    _mm256_storeu_si256((__m256i *)lane, acc);
 #else
-    int32_t total = 0;
-    for (int c = 0; c < 4; c++) {
-        int32_t s0 = 0, s1 = 0;
-        for (int l = 0; l < 32; l++) {
-            s0 += (qs[32 * c + l] & 0x0F) * a[64 * c + l];
-            s1 += (qs[32 * c + l] >> 4) * a[64 * c + 32 + l];
+    for (int l = 0; l < 8; l++) lane[l] = 0;
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 8; l++) {
+            int32_t lo = 0, hi = 0;
+            for (int b = 4 * l; b < 4 * l + 4; b++) {
+                lo += (qs[32 * c + b] & 0x0F) * a[64 * c + b];
+                hi += (qs[32 * c + b] >> 4) * a[64 * c + 32 + b];
+            }
+            lane[l] += sc[2 * c] * lo + sc[2 * c + 1] * hi;
         }
-        total += sc[2 * c] * s0 + sc[2 * c + 1] * s1;
-    }
-    return total;
 #endif
 }
 
-/* sum_j sc[j] * sum_{e in j} q6[e] * a[e] over one Q6_K block (the -32 offset is applied by the caller) */
-static inline int32_t dot_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *a) {
+/* As lanes_q4k for Q6_K, before the -32 offset (the caller subtracts it per lane pair) */
+static inline void lanes_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *a, int32_t *lane) {
 #ifdef LEVER_AVX2
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
     __m256i acc = _mm256_setzero_si256();
@@ -172,23 +177,20 @@ static inline int32_t dot_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], av), s));
         }
     }
-    return hsum_i32(acc);
+    _mm256_storeu_si256((__m256i *)lane, acc);
 #else
-    int32_t total = 0;
+    for (int l = 0; l < 8; l++) lane[l] = 0;
     for (int h = 0; h < 2; h++) {
         const uint8_t *l = ql + 64 * h, *hh = qh + 32 * h;
         const int8_t *ah = a + 128 * h;
-        int32_t s[8] = {0};
         for (int i = 0; i < 32; i++) {
-            int half = i / 16;
-            s[0 + half] += ((l[i] & 0xF) | ((hh[i] & 3) << 4)) * ah[i];
-            s[2 + half] += ((l[32 + i] & 0xF) | (((hh[i] >> 2) & 3) << 4)) * ah[32 + i];
-            s[4 + half] += ((l[i] >> 4) | (((hh[i] >> 4) & 3) << 4)) * ah[64 + i];
-            s[6 + half] += ((l[32 + i] >> 4) | (((hh[i] >> 6) & 3) << 4)) * ah[96 + i];
+            const int half = i / 16, ln = i / 4;
+            int q0 = (l[i] & 0xF) | ((hh[i] & 3) << 4), q1 = (l[32 + i] & 0xF) | (((hh[i] >> 2) & 3) << 4);
+            int q2 = (l[i] >> 4) | (((hh[i] >> 4) & 3) << 4), q3 = (l[32 + i] >> 4) | (((hh[i] >> 6) & 3) << 4);
+            lane[ln] += sc[8 * h + 0 + half] * q0 * ah[i] + sc[8 * h + 2 + half] * q1 * ah[32 + i] +
+                        sc[8 * h + 4 + half] * q2 * ah[64 + i] + sc[8 * h + 6 + half] * q3 * ah[96 + i];
         }
-        for (int j = 0; j < 8; j++) total += sc[8 * h + j] * s[j];
     }
-    return total;
 #endif
 }
 
@@ -287,7 +289,7 @@ static inline __m512i dot256_512(const __m512i *w, const __m512i *scl, const int
 }
 
 static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
-                          const int32_t *bsums, float *acc) {
+                          const int16_t *bs16, float *acc) {
     const int64_t nsb = k / QK;
     float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
     uint8_t sc[8], mn[8];
@@ -301,7 +303,6 @@ static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
         {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
         {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
         {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
-    static const int32_t PAIRS[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
     uint8_t scmn[16];
     memcpy(scmn, sc, 8);
     memcpy(scmn + 8, mn, 8);
@@ -314,23 +315,25 @@ static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
         w[c] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), m4);
         scl[c] = _mm512_permutexvar_epi16(_mm512_loadu_si512(SUB[c]), sc16);
     }
-    /* bsums lane l (16 elements) belongs to sub-block l/2 */
-    const __m512i mnv = _mm512_permutexvar_epi32(_mm512_loadu_si512(PAIRS), _mm512_cvtepu8_epi32(_mm_srli_si128(packed, 8)));
+    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_srli_si128(packed, 8));
+    /* llama.cpp's lanes: eight scale lanes (our lane l plus lane l + 8) and four min lanes
+     * (pair sums of the 16-element activation sums against the eight mins) */
     for (int64_t i = 0; i < n; i++) {
         const int8_t *a = q + i * k + s * QK;
         const __m512i t = dot256_512(w, scl, a);
-        /* lane-wise: acc += dx*dw * isum_lanes - dx*dmin * msum_lanes (reduced once per output) */
         const float dx = d[i * nsb + s];
-        __m512i ms = _mm512_mullo_epi32(_mm512_loadu_si512(bsums + (i * nsb + s) * 16), mnv);
-        __m512 a16 = _mm512_loadu_ps(acc + 16 * i);
-        a16 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dx * dw), a16);
-        a16 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_set1_ps(-(dx * dmin)), a16);
-        _mm512_storeu_ps(acc + 16 * i, a16);
+        const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(bs16 + (i * nsb + s) * 16));
+        const __m128i q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
+        float *ai = acc + KLANES * i;
+        _mm256_storeu_ps(ai, _mm256_fmadd_ps(_mm256_set1_ps(dx * dw), _mm256_cvtepi32_ps(sumi), _mm256_loadu_ps(ai)));
+        _mm_storeu_ps(ai + 8, _mm_fmadd_ps(_mm_set1_ps(-(dx * dmin)), _mm_cvtepi32_ps(_mm_madd_epi16(mins16, q8s)),
+                                           _mm_loadu_ps(ai + 8)));
     }
 }
 
 static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
-                          const int32_t *bsums, float *acc) {
+                          const int16_t *bs16, float *acc) {
     const int64_t nsb = k / QK;
     const int8_t *sc = (const int8_t *)(b + 192);
     float dw = f16_to_f32(b + 208);
@@ -356,13 +359,16 @@ static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
             scl[2 * h + r] = _mm512_permutexvar_epi16(_mm512_loadu_si512(idx), sc16);
         }
     }
-    const __m512i sc32 = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)), 5); /* 32*sc[j] */
-    for (int64_t i = 0; i < n; i++) {
+    const __m256i sc16w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+    for (int64_t i = 0; i < n; i++) { /* llama.cpp's eight lanes, each less its pair of -32 offsets */
         const int8_t *a = q + i * k + s * QK;
-        __m512i off = _mm512_mullo_epi32(_mm512_loadu_si512(bsums + (i * nsb + s) * 16), sc32);
-        __m512i it = _mm512_sub_epi32(dot256_512(w, scl, a), off);
-        __m512 a16 = _mm512_loadu_ps(acc + 16 * i);
-        _mm512_storeu_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(it), _mm512_set1_ps(d[i * nsb + s] * dw), a16));
+        const __m512i t = dot256_512(w, scl, a);
+        const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
+        const __m256i off = _mm256_slli_epi32(
+            _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs16 + (i * nsb + s) * 16)), sc16w), 5);
+        float *ai = acc + KLANES * i;
+        _mm256_storeu_ps(ai, _mm256_fmadd_ps(_mm256_set1_ps(d[i * nsb + s] * dw),
+                                             _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, off)), _mm256_loadu_ps(ai)));
     }
 }
 #endif
@@ -372,26 +378,35 @@ static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
 static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
                      const int32_t *bsums, float *acc) {
     const int64_t nsb = n_groups(k);
-    if (type == T_Q4_K) {
+    if (type == T_Q4_K) { /* KLANES floats per row: eight lanes of scales, four of mins (llama.cpp's acc, acc_m) */
         float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
         uint8_t sc[8], mn[8];
         q4k_scale_min(b + 4, sc, mn);
+        int32_t lane[8];
         for (int64_t i = 0; i < n; i++) {
             const int32_t *bs = bsums + (i * nsb + s) * 16;
-            int32_t msum = 0;
-            for (int j = 0; j < 8; j++) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-            int32_t isum = dot_q4k(b + 16, sc, q + i * k + s * QK);
-            acc[i] += d[i * nsb + s] * (dw * (float)isum - dmin * (float)msum);
+            const float dx = d[i * nsb + s];
+            float *a = acc + KLANES * i;
+            lanes_q4k(b + 16, sc, q + i * k + s * QK, lane);
+            for (int l = 0; l < 8; l++) a[l] = fmaf(dx * dw, (float)lane[l], a[l]);
+            for (int m = 0; m < 4; m++) {
+                int32_t p = mn[2 * m] * (bs[4 * m] + bs[4 * m + 1]) + mn[2 * m + 1] * (bs[4 * m + 2] + bs[4 * m + 3]);
+                a[8 + m] = fmaf(-(dx * dmin), (float)p, a[8 + m]);
+            }
         }
     } else if (type == T_Q6_K) {
         const int8_t *sc = (const int8_t *)(b + 192);
         float dw = f16_to_f32(b + 208);
+        int32_t lane[8];
         for (int64_t i = 0; i < n; i++) {
             const int32_t *bs = bsums + (i * nsb + s) * 16;
-            int32_t off = 0;
-            for (int j = 0; j < 16; j++) off += sc[j] * bs[j];
-            int32_t isum = dot_q6k(b, b + 128, sc, q + i * k + s * QK) - 32 * off;
-            acc[i] += d[i * nsb + s] * (dw * (float)isum);
+            const float dx = d[i * nsb + s];
+            float *a = acc + KLANES * i;
+            lanes_q6k(b, b + 128, sc, q + i * k + s * QK, lane);
+            for (int l = 0; l < 8; l++) {
+                int32_t v = lane[l] - 32 * (bs[2 * l] * sc[2 * l] + bs[2 * l + 1] * sc[2 * l + 1]);
+                a[l] = fmaf(dx * dw, (float)v, a[l]);
+            }
         }
     } else if (type == T_Q8_0) { /* up to eight 34-byte blocks per group of activations */
         const int nb = (int)(group_len(k, s) / 32);
@@ -430,8 +445,8 @@ static void dequant_block(int type, const uint8_t *b, float *w, int64_t gl) {
         for (int c = 0; c < 4; c++) {
             float d0 = dw * sc[2 * c], m0 = dmin * mn[2 * c], d1 = dw * sc[2 * c + 1], m1 = dmin * mn[2 * c + 1];
             for (int l = 0; l < 32; l++) {
-                w[64 * c + l] = d0 * (float)(qs[32 * c + l] & 0xF) - m0;
-                w[64 * c + 32 + l] = d1 * (float)(qs[32 * c + l] >> 4) - m1;
+                w[64 * c + l] = fmaf(d0, (float)(qs[32 * c + l] & 0xF), -m0); /* ggml's d*q - m, contracted */
+                w[64 * c + 32 + l] = fmaf(d1, (float)(qs[32 * c + l] >> 4), -m1);
             }
         }
     } else if (type == T_Q6_K) {
@@ -487,6 +502,13 @@ static inline float dot_d(const float *a, const float *b, int64_t d) {
 
 /* ------------------------------------------------------------------- driver */
 
+/* The final sum of a K-quant output's lanes, in llama.cpp's order: hsum_float_8 of the eight
+ * scale lanes plus the two-step sum of the four min lanes (zero for Q6_K). */
+static inline float ksum(const float *a) {
+    const float r0 = a[4] + a[0], r1 = a[5] + a[1], r2 = a[6] + a[2], r3 = a[7] + a[3];
+    return ((r0 + r2) + (r1 + r3)) + ((a[8] + a[10]) + (a[9] + a[11]));
+}
+
 typedef struct {
     int type;
     const uint8_t *w;
@@ -509,14 +531,19 @@ static void *run_job(void *arg) {
     Job *jb = (Job *)arg;
     const size_t rb = row_bytes(jb->type, jb->k);
     const int64_t nsb = n_groups(jb->k), n = jb->n > 0 ? jb->n : 1;
-#ifdef LEVER_AVX512
-    const int64_t lanes = !jb->x && is_kquant(jb->type) ? 16 : !jb->x && (jb->type == T_Q8_0 || jb->type == T_Q5_0) ? 8 : 1;
-#elif defined(LEVER_AVX2)
-    const int64_t lanes = !jb->x && (jb->type == T_Q8_0 || jb->type == T_Q5_0) ? 8 : 1;
+#ifdef LEVER_AVX2
+    const int64_t lanes = !jb->x && is_kquant(jb->type) ? KLANES : !jb->x && (jb->type == T_Q8_0 || jb->type == T_Q5_0) ? 8 : 1;
 #else
-    const int64_t lanes = 1;
+    const int64_t lanes = !jb->x && is_kquant(jb->type) ? KLANES : 1;
 #endif
     float *acc = malloc(sizeof(float) * (size_t)(n * ROW_GROUP * lanes));
+#ifdef LEVER_AVX512
+    /* the 16-element activation sums as int16, the width llama.cpp's q8_K keeps them in */
+    int16_t *bs16 = lanes == KLANES ? malloc(sizeof(int16_t) * (size_t)(n * nsb * 16)) : NULL;
+    if (lanes == KLANES && !bs16) { jb->failed = 1; free(acc); return NULL; }
+    if (bs16)
+        for (int64_t e = 0; e < jb->n * nsb * 16; e++) bs16[e] = (int16_t)jb->bsums[e];
+#endif
     float *wf = jb->x ? malloc(sizeof(float) * QK) : NULL;
     if (!acc || (jb->x && !wf)) { jb->failed = 1; free(acc); free(wf); return NULL; }
     const size_t block = jb->type == T_Q4_K ? 144 : jb->type == T_Q6_K ? 210 : jb->type == T_Q8_0 ? 272
@@ -537,8 +564,8 @@ static void *run_job(void *arg) {
                     for (int64_t i = 0; i < jb->n; i++) ar[i] += dot_d(wf, jb->x + i * jb->k + s * QK, gl);
                 }
 #ifdef LEVER_AVX512
-                else if (jb->type == T_Q4_K) block_q4k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
-                else if (jb->type == T_Q6_K) block_q6k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
+                else if (jb->type == T_Q4_K) block_q4k_512(b, s, jb->k, jb->n, jb->q, jb->d, bs16, ar);
+                else if (jb->type == T_Q6_K) block_q6k_512(b, s, jb->k, jb->n, jb->q, jb->d, bs16, ar);
 #endif
 #ifdef LEVER_AVX2
                 else if (lanes == 8) block_q32_avx2(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, ar);
@@ -549,18 +576,18 @@ static void *run_job(void *arg) {
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < jb->n; i++) {
                 const float *a = acc + (r * n + i) * lanes;
-#ifdef LEVER_AVX512
-                jb->out[i * jb->out_stride + j0 + r] = lanes == 16 ? _mm512_reduce_add_ps(_mm512_loadu_ps(a))
-                                                     : lanes == 8 ? hsum8(a) : a[0];
-#elif defined(LEVER_AVX2)
-                jb->out[i * jb->out_stride + j0 + r] = lanes == 8 ? hsum8(a) : a[0];
+#ifdef LEVER_AVX2
+                jb->out[i * jb->out_stride + j0 + r] = lanes == KLANES ? ksum(a) : lanes == 8 ? hsum8(a) : a[0];
 #else
-                jb->out[i * jb->out_stride + j0 + r] = a[0];
+                jb->out[i * jb->out_stride + j0 + r] = lanes == KLANES ? ksum(a) : a[0];
 #endif
             }
     }
     free(acc);
     free(wf);
+#ifdef LEVER_AVX512
+    free(bs16);
+#endif
     return NULL;
 }
 
@@ -679,9 +706,11 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         const float *xi = (const float *)x.buf + i * k;
         float *o = (float *)out.buf + i * k;
+        /* ggml's rms_norm: float squares summed in double, then a float mean and scale */
         double ss = 0.0;
-        for (Py_ssize_t e = 0; e < k; e++) ss += (double)xi[e] * (double)xi[e];
-        float scale = (float)(1.0 / sqrt(ss / (double)k + eps));
+        for (Py_ssize_t e = 0; e < k; e++) ss += (double)(xi[e] * xi[e]);
+        const float mean = (float)(ss / (double)k);
+        const float scale = 1.0f / sqrtf(mean + (float)eps);
         for (Py_ssize_t e = 0; e < k; e++) o[e] = (xi[e] * scale) * ((const float *)wt.buf)[e];
     }
     Py_END_ALLOW_THREADS
@@ -690,6 +719,21 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&x); PyBuffer_Release(&wt); PyBuffer_Release(&out);
     return ret;
+}
+
+/* exp as ggml's vectorized SiLU computes it (ggml_v_expf, AVX-512 form): a range reduction
+ * and a degree-5 polynomial, all fused multiply-adds, then scaling by 2^n. Computing the FFN
+ * gate the way llama.cpp does keeps our greedy output on its near-ties. */
+static inline float ggml_expf(float x) {
+    const float r = 0x1.8p23f;
+    const float z = fmaf(x, 0x1.715476p+0f, r);
+    const float n = z - r;
+    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
+    const float u = b * b;
+    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u, fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)), u,
+                         fmaf(0x1.ffffecp-1f, b, 1.0f));
+    if (fabsf(n) > 192.0f) return n <= 0.0f ? 0.0f : INFINITY;
+    return ldexpf(j, (int)n);
 }
 
 static PyObject *py_swiglu(PyObject *self, PyObject *args) {
@@ -701,10 +745,7 @@ static PyObject *py_swiglu(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     const float *gp = g.buf, *up = u.buf;
     float *o = out.buf;
-    for (Py_ssize_t e = 0; e < count; e++) {
-        float s = 1.0f / (1.0f + expf(-gp[e]));
-        o[e] = (gp[e] * s) * up[e];
-    }
+    for (Py_ssize_t e = 0; e < count; e++) o[e] = (gp[e] / (1.0f + ggml_expf(0.0f - gp[e]))) * up[e];
     Py_END_ALLOW_THREADS
     ret = Py_None;
     Py_INCREF(ret);
@@ -864,6 +905,88 @@ done:
     return ret;
 }
 
+/* rope_tables(positions int64 [n], half, base, cos [n, half], sin [n, half]): ggml's rope
+ * cache: theta starts at the position and is multiplied by base^(-1/half) per pair, in float */
+static PyObject *py_rope_tables(PyObject *self, PyObject *args) {
+    Py_buffer pos, co, si;
+    Py_ssize_t n, half;
+    double base;
+    if (!PyArg_ParseTuple(args, "y*nndw*w*", &pos, &n, &half, &base, &co, &si)) return NULL;
+    PyObject *ret = NULL;
+    if (!need(&pos, n * 8, "positions") || !need(&co, n * half * 4, "cos") || !need(&si, n * half * 4, "sin")) goto done;
+    const float theta_scale = powf((float)base, -2.0f / (float)(2 * half));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float theta = (float)((const int64_t *)pos.buf)[i];
+        float *c = (float *)co.buf + i * half, *sn = (float *)si.buf + i * half;
+        for (Py_ssize_t j = 0; j < half; j++) {
+            c[j] = cosf(theta);
+            sn[j] = sinf(theta);
+            theta *= theta_scale;
+        }
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&pos); PyBuffer_Release(&co); PyBuffer_Release(&si);
+    return ret;
+}
+
+/* rope(x [n, heads*d], cos, sin [n, d/2], n, heads, d, neox, out): each pair rotated as ggml's
+ * C++ compiles x0*c - x1*s and x0*s + x1*c (its first product fused into the add) */
+static PyObject *py_rope(PyObject *self, PyObject *args) {
+    Py_buffer x, co, si, out;
+    Py_ssize_t n, heads, d;
+    int neox;
+    if (!PyArg_ParseTuple(args, "y*y*y*nnnpw*", &x, &co, &si, &n, &heads, &d, &neox, &out)) return NULL;
+    PyObject *ret = NULL;
+    const Py_ssize_t half = d / 2;
+    if (d % 2) { PyErr_SetString(PyExc_ValueError, "head_dim must be even"); goto done; }
+    if (!need(&x, n * heads * d * 4, "x") || !need(&co, n * half * 4, "cos") || !need(&si, n * half * 4, "sin") ||
+        !need(&out, n * heads * d * 4, "out"))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const float *c = (const float *)co.buf + i * half, *sn = (const float *)si.buf + i * half;
+        for (Py_ssize_t h = 0; h < heads; h++) {
+            const float *xi = (const float *)x.buf + (i * heads + h) * d;
+            float *o = (float *)out.buf + (i * heads + h) * d;
+            for (Py_ssize_t j = 0; j < half; j++) {
+                const Py_ssize_t a = neox ? j : 2 * j, b = neox ? j + half : 2 * j + 1;
+                const float x0 = xi[a], x1 = xi[b];
+                o[a] = fmaf(x0, c[j], -(x1 * sn[j]));
+                o[b] = fmaf(x0, sn[j], x1 * c[j]);
+            }
+        }
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&x); PyBuffer_Release(&co); PyBuffer_Release(&si); PyBuffer_Release(&out);
+    return ret;
+}
+
+/* dequantize(type, rows bytes, n, k, out float32 [n, k]): GGUF rows as llama.cpp's get_rows makes them */
+static PyObject *py_dequantize(PyObject *self, PyObject *args) {
+    int type;
+    Py_buffer w, out;
+    Py_ssize_t n, k;
+    if (!PyArg_ParseTuple(args, "iy*nnw*", &type, &w, &n, &k, &out)) return NULL;
+    PyObject *ret = NULL;
+    if (type < T_Q4_K || type > T_Q5_0) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
+    if (k % (is_kquant(type) ? QK : 32)) { PyErr_Format(PyExc_ValueError, "row length %zd does not fit the type", k); goto done; }
+    if (!need(&w, n * (Py_ssize_t)row_bytes(type, k), "rows") || !need(&out, n * k * 4, "out")) goto done;
+    const size_t rb = row_bytes(type, k), block = type == T_Q4_K ? 144 : type == T_Q6_K ? 210 : type == T_Q8_0 ? 272
+                                                : type == T_Q5_0 ? 176 : QK * 4;
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (int64_t s = 0; s < n_groups(k); s++)
+            dequant_block(type, (const uint8_t *)w.buf + i * rb + s * block, (float *)out.buf + i * k + s * QK,
+                          group_len(k, s));
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&w); PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *args) {
 #if defined(LEVER_AVX512)
     return PyUnicode_FromString("avx512-vnni");
@@ -880,6 +1003,9 @@ static PyMethodDef methods[] = {
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "row-wise RMS norm"},
     {"swiglu", py_swiglu, METH_VARARGS, "gate * sigmoid(gate) * up"},
     {"attention", py_attention, METH_VARARGS, "masked GQA over each row's own key order"},
+    {"rope_tables", py_rope_tables, METH_VARARGS, "rotary cos/sin tables as ggml builds them"},
+    {"rope", py_rope, METH_VARARGS, "rotary embedding of each head's pairs"},
+    {"dequantize", py_dequantize, METH_VARARGS, "GGUF rows to float32"},
     {"simd", py_simd, METH_NOARGS, "which code path was compiled"},
     {NULL, NULL, 0, NULL},
 };

@@ -9,6 +9,11 @@ elements (:func:`quantize_rows`; the last group of a row that is a multiple of 3
 but not of 256, like the 0.5B draft's 896, is partial), so a token's result never depends on the other rows of
 its pass; :func:`matmul` splits the *output* columns across threads, never a
 reduction, so results are also independent of the thread count.
+
+Where llama.cpp's CPU backend computes the same thing, the arithmetic is its arithmetic, bit for bit
+(q8_K quantization, the K-quant dot products' lanes and sums, SwiGLU's exp, rotary tables and
+rotation, RMS norm, Q4_K dequantization; tests/golden/llamacpp_kernels.npz holds its own results):
+greedy decoding then follows llama.cpp's choice on near-ties wherever attention allows.
 """
 from __future__ import annotations
 
@@ -172,15 +177,33 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, perm: np.
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_heads: int, style: str) -> np.ndarray:
-    """Rotary embedding of ``x`` [N, heads*D] with ``cos``/``sin`` [N, D/2] (elementwise, so row-independent)."""
+    """Rotary embedding of ``x`` [N, heads*D] with ``cos``/``sin`` [N, D/2] (elementwise, so row-independent).
+
+    ``neox`` rotates the pairs (i, i + D/2); otherwise adjacent pairs (2i, 2i+1), as GGUF stores llama's q/k.
+    """
+    x = _rows(x, "x")
     n = x.shape[0]
-    x3 = x.reshape(n, n_heads, -1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    if style == "neox":
-        h = x3.shape[2] // 2
-        x1, x2 = x3[..., :h], x3[..., h:]
-        out = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=2)
-    else:  # adjacent pairs (2i, 2i+1), as GGUF stores llama's q/k
-        e, o = x3[..., 0::2], x3[..., 1::2]
-        out = np.stack([e * c - o * s, o * c + e * s], axis=3).reshape(x3.shape)
-    return np.ascontiguousarray(out.reshape(n, -1), np.float32)
+    d = x.shape[1] // n_heads
+    cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
+    if x.shape[1] != n_heads * d or cos.shape != (n, d // 2) or sin.shape != cos.shape:
+        raise ValueError(f"x {x.shape} does not split into {n_heads} heads with tables {cos.shape}/{sin.shape}")
+    out = np.empty_like(x)
+    _kernels.rope(x, cos, sin, n, n_heads, d, style == "neox", out)
+    return out
+
+
+def rope_tables(positions, half: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin ``[N, half]``: theta starts at the position and shrinks by ``base^(-1/half)`` per pair, in float."""
+    positions = np.ascontiguousarray(positions, np.int64).reshape(-1)
+    cos, sin = np.empty((positions.size, half), np.float32), np.empty((positions.size, half), np.float32)
+    _kernels.rope_tables(positions, positions.size, half, float(base), cos, sin)
+    return cos, sin
+
+
+def dequantize(qtype: str, rows: np.ndarray, k: int) -> np.ndarray:
+    """Float32 ``[n, k]`` from GGUF row bytes ``uint8 [n, row_bytes]``."""
+    rows = np.ascontiguousarray(rows, np.uint8).reshape(-1, row_bytes(qtype, k))
+    out = np.empty((rows.shape[0], k), np.float32)
+    if rows.shape[0]:
+        _kernels.dequantize(TYPES[qtype], rows, rows.shape[0], k, out)
+    return out

@@ -106,9 +106,8 @@ def common_prefix(a, b) -> int:
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    ang = np.asarray(positions, np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    """cos/sin ``[N, head_dim/2]`` of each position, computed in float as ggml computes them."""
+    return kernels.rope_tables(positions, head_dim // 2, base)
 
 
 def attention_layout(context: int, past: int, visible: list[list[int]]) -> dict[str, np.ndarray]:
@@ -164,6 +163,8 @@ def read_rows(fd: int, offset: int, row_bytes: int, n_rows: int, qtype: QT, k: i
             raise ValueError(f"token id {t} outside the vocabulary of {n_rows}")
         if os.preadv(fd, [raw[i]], offset + int(t) * row_bytes) != row_bytes:
             raise OSError(f"short read of row {t}")
+    if qtype.name in kernels.TYPES:
+        return kernels.dequantize(qtype.name, raw, k)
     return dequantize_rows(raw, qtype, k)
 
 

@@ -14,6 +14,8 @@ What is checked, and why:
 - `rmsnorm` / `swiglu` accuracy (1e-6 relative of float64) and position/batch invariance.
 - Bad shapes, dtypes and sizes raise ValueError with a message, instead of reading out of
   bounds or silently reinterpreting bytes (a matching byte count alone is not enough).
+- q8_K quantization, the K-quant dot products, SwiGLU and Q4_K dequantization are bit-identical
+  to llama.cpp's CPU functions on stored inputs (tests/golden/llamacpp_kernels.npz).
 """
 import functools
 
@@ -82,7 +84,8 @@ def quantize_reference(x: np.ndarray):
     with np.errstate(divide="ignore"):
         iscale = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     q = np.clip(np.rint(xb * iscale[..., None]), -127, 127).astype(np.int8).reshape(n, g * 256)
-    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):  # llama.cpp's q8_K keeps the reciprocal of the scale it applied
+        d = np.where(amax > 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32)
     bsums = q.reshape(n, g * 16, 16).sum(-1, dtype=np.int32)
     return q[:, :k], d, bsums
 
@@ -314,3 +317,26 @@ def test_attention_over_half_rows_is_exact_widening_and_stays_batch_invariant(n,
     np.testing.assert_allclose(half, _attention_reference(q, k, v, perm, lengths, n_head), rtol=1e-4, atol=1e-5)
     alone = K.attention(q[-1:], k, v, perm[-1:], lengths[-1:], n_head, 1 / np.sqrt(d))
     np.testing.assert_array_equal(bits(alone[0]), bits(half[-1]))
+
+
+# ---- bit for bit with llama.cpp's CPU kernels -------------------------------------------
+
+def test_kernels_match_llamacpp_bit_for_bit():
+    """Inputs and llama.cpp's own results (tools/golden_llamacpp_kernels.py called its q8_K
+    quantization, Q4_K/Q6_K dot products, SwiGLU and Q4_K dequantization): ours are identical,
+    which keeps our greedy output on llama.cpp's near-ties."""
+    from pathlib import Path
+
+    g = np.load(Path(__file__).parent / "golden" / "llamacpp_kernels.npz")
+    a = K.quantize_rows(g["x"])
+    # llama.cpp scales by -127/max (max: the signed element of largest magnitude), so its d and
+    # codes may both carry the opposite sign: the same numbers
+    sign = np.sign(np.repeat(g["q8_d"], 256, axis=1)).astype(np.int8)
+    np.testing.assert_array_equal(a.q * sign, g["q8_qs"])
+    assert_bitwise(np.abs(a.d), np.abs(g["q8_d"]))
+    k = g["x"].shape[1]
+    for qtype, name in (("Q4_K", "q4_K"), ("Q6_K", "q6_K")):  # ggml's spelling in the file
+        w = g[f"w_{name}"]
+        assert_bitwise(K.matmul(K.NativeMatrix(qtype, k, w.shape[0], w), a), g[f"y_{name}"])
+    assert_bitwise(K.dequantize("Q4_K", g["w_q4_K"], k), g["dequant_q4_K"])
+    assert_bitwise(K.swiglu(g["gate"], g["up"]), g["swiglu"])

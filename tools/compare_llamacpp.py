@@ -86,13 +86,26 @@ def completion_texts(binary: Path, gguf: Path, prompts: list[str], tokens: int, 
     return out
 
 
-def text_agreement(mine: list[list[int]], theirs: list[str], decode, tokens: int) -> dict:
+def text_agreement(mine: list[list[int]], theirs: list[str], decode, tokens: int, eos=()) -> dict:
     """As :func:`agreement`, against llama.cpp's text: our token i agrees while the text of our
-    first i + 1 tokens is a prefix of theirs (the binary may print a trailing newline of its own)."""
+    first i + 1 tokens is a prefix of theirs (the binary may print a trailing newline of its own).
+    Our end-of-text token agrees when llama.cpp ended there too: it prints ``[end of text]``
+    where it stopped. ``theirs`` must run longer than ``tokens``, or its last tokens would look
+    like a divergence (the binary does not always print its final token)."""
     firsts = []
     for ids, text in zip(mine, theirs):
         n = min(len(ids), tokens)
-        firsts.append(next((i for i in range(n) if not text.startswith(decode(ids[:i + 1]))), n))
+        first = n
+        for i in range(n):
+            if ids[i] in eos:
+                before = decode(ids[:i])
+                ended = text.startswith(before) and text[len(before):].lstrip().startswith("[end of text]")
+                first = n if ended else i
+                break
+            if not text.startswith(decode(ids[:i + 1])):
+                first = i
+                break
+        firsts.append(first)
     same32 = sum(1 for f, ids in zip(firsts, mine) if f >= min(32, len(ids)))
     return {"prompts": len(mine), "first32_identical": same32 / len(mine),
             "mean_first_divergence": sum(firsts) / len(mine), "first_divergence": firsts}
@@ -135,11 +148,11 @@ def main() -> None:
     if a.llama_bin is not None:
         for role in (("target", "draft") if a.model == "both" else (a.model,)):
             theirs = completion_texts(a.llama_bin / "llama-completion", gguf_path(DEFAULT_PAIR[role]), texts,
-                                      a.tokens, a.threads)
+                                      a.tokens + 16, a.threads)
             for kv in ((None, "float32") if a.kv == "both" else (None,)):
                 key = role if kv is None else f"{role}_kv_{kv}"
                 mine = ours(bundles[role], prompts, a.tokens, a.threads, kv)
-                report[key] = text_agreement(mine, theirs, tok.decode, a.tokens)
+                report[key] = text_agreement(mine, theirs, tok.decode, a.tokens, set(tok.eos_ids))
                 print(f"{key}: first 32 tokens identical on {100 * report[key]['first32_identical']:.0f}% of "
                       f"{len(prompts)} prompts", flush=True)
         if a.json_out:
