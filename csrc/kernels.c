@@ -69,6 +69,11 @@ static size_t row_bytes(int type, int64_t k) {
     }
 }
 
+/* Bytes of one QK-column group of a weight row (eight 32-blocks for Q8_0 / Q5_0). */
+static size_t group_bytes(int type) {
+    return type == T_Q4_K ? 144 : type == T_Q6_K ? 210 : type == T_Q8_0 ? 272 : type == T_Q5_0 ? 176 : QK * 4;
+}
+
 /* The 6-bit scales and mins of the eight 32-element sub-blocks of a Q4_K block. */
 static void q4k_scale_min(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
     for (int j = 0; j < 4; j++) {
@@ -546,8 +551,7 @@ static void *run_job(void *arg) {
 #endif
     float *wf = jb->x ? malloc(sizeof(float) * QK) : NULL;
     if (!acc || (jb->x && !wf)) { jb->failed = 1; free(acc); free(wf); return NULL; }
-    const size_t block = jb->type == T_Q4_K ? 144 : jb->type == T_Q6_K ? 210 : jb->type == T_Q8_0 ? 272
-                       : jb->type == T_Q5_0 ? 176 : QK * 4;
+    const size_t block = group_bytes(jb->type);
     /* a few activation rows gain nothing from grouping: stream each weight row contiguously (the
      * draft's batched levels of 3-4 rows ran 15% faster so, from DRAM-resident weights) */
     const int64_t group = jb->n <= 4 ? 1 : ROW_GROUP;
@@ -974,8 +978,7 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     if (type < T_Q4_K || type > T_Q5_0) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
     if (k % (is_kquant(type) ? QK : 32)) { PyErr_Format(PyExc_ValueError, "row length %zd does not fit the type", k); goto done; }
     if (!need(&w, n * (Py_ssize_t)row_bytes(type, k), "rows") || !need(&out, n * k * 4, "out")) goto done;
-    const size_t rb = row_bytes(type, k), block = type == T_Q4_K ? 144 : type == T_Q6_K ? 210 : type == T_Q8_0 ? 272
-                                                : type == T_Q5_0 ? 176 : QK * 4;
+    const size_t rb = row_bytes(type, k), block = group_bytes(type);
     for (Py_ssize_t i = 0; i < n; i++)
         for (int64_t s = 0; s < n_groups(k); s++)
             dequant_block(type, (const uint8_t *)w.buf + i * rb + s * block, (float *)out.buf + i * k + s * QK,

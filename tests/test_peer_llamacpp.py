@@ -153,3 +153,38 @@ def test_retry_reasons():
     assert "report" in retry_reason(lost, None)
     assert retry_reason(dict(good, cpu_pressure=0.5), 0.35).startswith("CPU wait 50%")
     assert retry_reason(dict(good, cpu_pressure=0.2), 0.35) is None
+
+
+def test_lever_source_names_modified_code_but_not_the_runs_own_outputs(tmp_path, monkeypatch):
+    """The report is rewritten after every prompt; when it is a tracked file it is not a change
+    to the code that ran (a run warns only when that changes)."""
+    import subprocess
+    import types
+
+    import tools.peer_llamacpp as peer
+
+    repo = tmp_path / "repo"
+    (repo / "lever_actors").mkdir(parents=True)
+    (repo / "lever_actors" / "__init__.py").write_text("")
+    (repo / "out.json").write_text("{}")
+    real_run = subprocess.run
+
+    def run(cmd, *a, **k):  # the import probe answers with the scratch checkout; git runs for real
+        if cmd[0] != "git":
+            return types.SimpleNamespace(returncode=0, stdout=f"{repo / 'lever_actors' / '__init__.py'}\n", stderr="")
+        return real_run(cmd, *a, **k)
+
+    def git(*argv):
+        real_run(["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t", *argv], check=True,
+                 capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "x")
+    (repo / "out.json").write_text('{"runs": 1}')
+    (repo / "lever_actors" / "__init__.py").write_text("# edited\n")
+    monkeypatch.setattr(peer.subprocess, "run", run)
+    src = peer.lever_source({}, (repo / "out.json",))
+    assert src["package"] == str(repo / "lever_actors") and src["commit"]
+    assert src["modified"] == ["lever_actors/__init__.py"]
+    assert sorted(peer.lever_source({})["modified"]) == ["lever_actors/__init__.py", "out.json"]

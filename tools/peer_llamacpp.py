@@ -599,10 +599,11 @@ def model_files() -> tuple[dict[str, Path], list[Path]]:
     return paths, files
 
 
-def lever_source(env: dict[str, str]) -> dict:
+def lever_source(env: dict[str, str], outputs: tuple[Path, ...] = ()) -> dict:
     """Which lever code the runs import: its package directory and, in a git checkout, the commit and
-    the tracked files modified there. A checkout others are editing can change under a long run, so the
-    report says what ran (and the run warns when it changed between start and end)."""
+    the tracked files modified there, leaving out ``outputs`` (this run's own JSON and plot, which it
+    rewrites as it goes). A checkout others are editing can change under a long run, so the report
+    says what ran (and the run warns when it changed between start and end)."""
     probe = subprocess.run([sys.executable, "-c", "import lever_actors; print(lever_actors.__file__)"],
                            env=env, capture_output=True, text=True)
     if probe.returncode != 0:
@@ -616,8 +617,10 @@ def lever_source(env: dict[str, str]) -> dict:
     if head.returncode != 0:
         return {"package": str(package), "commit": None, "modified": None}
     status = git("status", "--porcelain", "--untracked-files=no")
+    ours = {Path(p).resolve() for p in outputs}
+    modified = [line[3:] for line in status.stdout.splitlines()]
     return {"package": str(package), "commit": head.stdout.strip(),
-            "modified": [line[3:] for line in status.stdout.splitlines()]}
+            "modified": [m for m in modified if (package.parent / m).resolve() not in ours]}
 
 
 def clean_env() -> dict[str, str]:
@@ -786,12 +789,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args, cond: Conditions, source: str, prompts, paths: dict[str, Path], bins: dict[str, Path]) -> int:
     """Run every prompt, rewriting the JSON after each; then the table and the plot."""
+    outputs = tuple(p for p in (args.json, args.plot) if p)
     meta = {"cap": args.cap, "cap_bytes": cond.cap, "max_tokens": args.max_tokens, "threads": args.threads,
             "context": args.context, "max_cpu_wait": args.max_cpu_wait,
             "prompts": {"source": source, "ids": [i for i, _ in prompts]},
             "models": {k: str(v) for k, v in paths.items()},
             "llamacpp_build": {"dir": str(args.build_dir), "llama_cpp_python": LLAMA_CPP_PYTHON},
-            "lever_source": lever_source(cond.env)}
+            "lever_source": lever_source(cond.env, outputs)}
     spec_settings = [f"draft-max-{k}" for k in args.draft_max]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
@@ -804,7 +808,7 @@ def measure(args, cond: Conditions, source: str, prompts, paths: dict[str, Path]
             runs += run_prompt(pid, job, bins, args, cond)
             doc = build_report(meta, runs, spec_settings, complete=n == len(prompts) - 1)
             write_json(args.json, doc)
-    if lever_source(cond.env) != meta["lever_source"]:
+    if lever_source(cond.env, outputs) != meta["lever_source"]:
         say(f"warning: lever's source changed during the runs (at the start: {meta['lever_source']})")
     print(table(doc))
     if args.plot:
