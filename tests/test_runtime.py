@@ -1,6 +1,7 @@
 """The actor pipeline on the tiny models: lossless output, buffers, cancellation, no deadlock."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -125,12 +126,21 @@ def test_drafting_until_the_commit_drops_late_answers_and_changes_no_token(tiny_
         return original(self, req)
 
     monkeypatch.setattr(Drafter, "_extend", counting)
-    # whether another level still fits in the pass is a timing rule; on the tiny pair a pass may be
-    # shorter than one draft call (the first one is planned from the prefill's reads), so let every
-    # level fit: the growth, the late answers and the rows are what is tested here
+    # whether another level still fits in the pass is a timing rule, and on the tiny pair a pass can
+    # end before the first trees drafted ahead arrive (then nothing grows): let every level fit, and
+    # make each layer of a pass take 20 ms, so the growth, the late answers and the rows are what is
+    # tested here, not the machine's speed
+    from actors.npu_verify import NpuVerifier
     from lever_actors.driver import Pipeline
 
     monkeypatch.setattr(Pipeline, "_level_fits", lambda self, g: True)
+    run_stage = NpuVerifier._run_stage
+
+    def slow_stage(self, *a, **k):
+        time.sleep(0.02)
+        return run_stage(self, *a, **k)
+
+    monkeypatch.setattr(NpuVerifier, "_run_stage", slow_stage)
     toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
     assert extends and set(extends) == {1}  # the trees drafted ahead did grow a level per request
     assert toks == ar_tokens
