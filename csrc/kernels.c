@@ -521,6 +521,7 @@ typedef struct {
     const int8_t *q;
     const float *d;
     const int32_t *bsums;
+    const int16_t *bs16; /* bsums as int16 (the width llama.cpp's q8_K keeps them in), for the AVX-512 K-quants */
     const float *x; /* fp32 path when non-NULL */
     float *out;
     int64_t out_stride;
@@ -542,13 +543,6 @@ static void *run_job(void *arg) {
     const int64_t lanes = !jb->x && is_kquant(jb->type) ? KLANES : 1;
 #endif
     float *acc = malloc(sizeof(float) * (size_t)(n * ROW_GROUP * lanes));
-#ifdef LEVER_AVX512
-    /* the 16-element activation sums as int16, the width llama.cpp's q8_K keeps them in */
-    int16_t *bs16 = lanes == KLANES ? malloc(sizeof(int16_t) * (size_t)(n * nsb * 16)) : NULL;
-    if (lanes == KLANES && !bs16) { jb->failed = 1; free(acc); return NULL; }
-    if (bs16)
-        for (int64_t e = 0; e < jb->n * nsb * 16; e++) bs16[e] = (int16_t)jb->bsums[e];
-#endif
     float *wf = jb->x ? malloc(sizeof(float) * QK) : NULL;
     if (!acc || (jb->x && !wf)) { jb->failed = 1; free(acc); free(wf); return NULL; }
     const size_t block = group_bytes(jb->type);
@@ -568,8 +562,8 @@ static void *run_job(void *arg) {
                     for (int64_t i = 0; i < jb->n; i++) ar[i] += dot_d(wf, jb->x + i * jb->k + s * QK, gl);
                 }
 #ifdef LEVER_AVX512
-                else if (jb->type == T_Q4_K) block_q4k_512(b, s, jb->k, jb->n, jb->q, jb->d, bs16, ar);
-                else if (jb->type == T_Q6_K) block_q6k_512(b, s, jb->k, jb->n, jb->q, jb->d, bs16, ar);
+                else if (jb->type == T_Q4_K) block_q4k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bs16, ar);
+                else if (jb->type == T_Q6_K) block_q6k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bs16, ar);
 #endif
 #ifdef LEVER_AVX2
                 else if (lanes == 8) block_q32_avx2(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, ar);
@@ -589,9 +583,6 @@ static void *run_job(void *arg) {
     }
     free(acc);
     free(wf);
-#ifdef LEVER_AVX512
-    free(bs16);
-#endif
     return NULL;
 }
 
@@ -684,11 +675,19 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     if (have_x ? !need(&x, n * k * 4, "x")
                : (!need(&q, n * k, "q") || !need(&d, n * g * 4, "d") || !need(&bs, n * g * 16 * 4, "bsums")))
         goto done;
-    Job job = {type, w.buf, k, n, 0, m, q.buf, d.buf, bs.buf, have_x ? x.buf : NULL, out.buf, stride, 0};
+    int16_t *bs16 = NULL; /* converted once here, not in every thread */
+#ifdef LEVER_AVX512
+    if (!have_x && is_kquant(type) && n > 0) {
+        if (!(bs16 = malloc(sizeof(int16_t) * (size_t)(n * g * 16)))) { PyErr_NoMemory(); goto done; }
+        for (Py_ssize_t e = 0; e < n * g * 16; e++) bs16[e] = (int16_t)((const int32_t *)bs.buf)[e];
+    }
+#endif
+    Job job = {type, w.buf, k, n, 0, m, q.buf, d.buf, bs.buf, bs16, have_x ? x.buf : NULL, out.buf, stride, 0};
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = run_split(job, m, threads);
     Py_END_ALLOW_THREADS
+    free(bs16);
     if (failed) { PyErr_NoMemory(); goto done; }
     ret = Py_None;
     Py_INCREF(ret);

@@ -195,6 +195,8 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_heads: int, style: s
 def rope_tables(positions, half: int, base: float) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin ``[N, half]``: theta starts at the position and shrinks by ``base^(-1/half)`` per pair, in float."""
     positions = np.ascontiguousarray(positions, np.int64).reshape(-1)
+    if half < 1:
+        raise ValueError(f"a rotary table needs at least one pair, got {half}")
     cos, sin = np.empty((positions.size, half), np.float32), np.empty((positions.size, half), np.float32)
     _kernels.rope_tables(positions, positions.size, half, float(base), cos, sin)
     return cos, sin
@@ -202,7 +204,11 @@ def rope_tables(positions, half: int, base: float) -> tuple[np.ndarray, np.ndarr
 
 def dequantize(qtype: str, rows: np.ndarray, k: int) -> np.ndarray:
     """Float32 ``[n, k]`` from GGUF row bytes ``uint8 [n, row_bytes]``."""
-    rows = np.ascontiguousarray(rows, np.uint8).reshape(-1, row_bytes(qtype, k))
+    if qtype not in TYPES:
+        raise ValueError(f"unsupported native weight type {qtype!r}; supported: {', '.join(TYPES)}")
+    rows = np.ascontiguousarray(rows, np.uint8)
+    if rows.ndim != 2 or rows.shape[1] != row_bytes(qtype, k):
+        raise ValueError(f"{qtype} rows of {k} elements are uint8 [n, {row_bytes(qtype, k)}], got {rows.shape}")
     out = np.empty((rows.shape[0], k), np.float32)
     if rows.shape[0]:
         _kernels.dequantize(TYPES[qtype], rows, rows.shape[0], k, out)

@@ -239,6 +239,38 @@ def test_swiglu_position_invariant():
             assert_bitwise(K.swiglu(gf[s], uf[s]), full[s])
 
 
+# ---- rotary embedding ----------------------------------------------------------------
+
+def test_rope_tables_follow_ggmls_float_recurrence():
+    """theta starts at the position and is multiplied by base^(-1/half) per pair in float (as ggml
+    does, which drifts from the exact angle at long positions); the tables are its cos and sin."""
+    pos = np.array([0, 1, 7, 300, 4095])
+    cos, sin = K.rope_tables(pos, 64, 1e6)
+    scale = np.float32(np.float32(1e6) ** np.float32(-2.0 / 128))
+    theta = pos.astype(np.float32)
+    for j in range(64):
+        np.testing.assert_allclose(cos[:, j], np.cos(theta.astype(np.float64)), atol=2e-7)
+        np.testing.assert_allclose(sin[:, j], np.sin(theta.astype(np.float64)), atol=2e-7)
+        theta = (theta * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("style", ["neox", "adjacent"])
+def test_rope_rotates_each_pair_and_is_row_invariant(style):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 2 * 32)).astype(np.float32)
+    ang = rng.uniform(-3, 3, (5, 16))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    y = K.rope(x, cos, sin, 2, style)
+    x3, y3 = x.reshape(5, 2, 32).astype(np.float64), y.reshape(5, 2, 32)
+    a, b = (x3[..., :16], x3[..., 16:]) if style == "neox" else (x3[..., 0::2], x3[..., 1::2])
+    ya, yb = (y3[..., :16], y3[..., 16:]) if style == "neox" else (y3[..., 0::2], y3[..., 1::2])
+    c, s = cos[:, None, :].astype(np.float64), sin[:, None, :].astype(np.float64)
+    np.testing.assert_allclose(ya, a * c - b * s, atol=1e-6)
+    np.testing.assert_allclose(yb, a * s + b * c, atol=1e-6)
+    for i in range(5):
+        assert_bitwise(K.rope(x[i:i + 1], cos[i:i + 1], sin[i:i + 1], 2, style)[0], y[i])
+
+
 # ---- errors --------------------------------------------------------------------------
 
 def raises_value_error(fn, *args, **kw):
@@ -266,6 +298,14 @@ def test_bad_inputs_raise_value_error():
     x = np.ones((2, 64), np.float32)
     raises_value_error(K.rmsnorm, x, np.ones(63, np.float32), 1e-6)
     raises_value_error(K.swiglu, x, np.ones((2, 65), np.float32))
+    raises_value_error(K.rope, np.ones((2, 64), np.float32), np.ones((2, 8), np.float32), np.ones((2, 8), np.float32),
+                       2, "neox")  # 2 heads of 32 need tables of 16 pairs
+    raises_value_error(K.rope, np.ones((2, 63), np.float32), np.ones((2, 16), np.float32),
+                       np.ones((2, 16), np.float32), 2, "neox")
+    raises_value_error(K.rope_tables, [0, 1], 0, 1e6)
+    raises_value_error(K.dequantize, "Q9_K", np.zeros((1, 144), np.uint8), 256)
+    raises_value_error(K.dequantize, "Q4_K", np.zeros((1, 143), np.uint8), 256)
+    raises_value_error(K.dequantize, "Q4_K", np.zeros((1, 144), np.uint8), 288)  # not whole 256-blocks
 
 
 BAD_BUT_RIGHT_SIZE = {  # spec: data is uint8 [n, row_bytes] (float32 [n, k] for F32); bytes alone are not enough
