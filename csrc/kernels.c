@@ -31,6 +31,12 @@
 enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3, T_Q5_0 = 4 };
 #define QK 256
 #define KLANES 16 /* floats each K-quant output keeps per activation row until its final sum */
+/* Weight rows read ahead by software prefetch when a few activation rows stream each weight row:
+ * the loops' long chains of fused adds leave the out-of-order core few loads in flight, and the
+ * hardware prefetcher alone kept a 1-row matmul at a third of the memory bandwidth. */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 4
+#endif
 
 /* Activations carry one scale per group of QK columns. Rows of the 32-block types (Q8_0,
  * Q5_0, F32) need only be a multiple of 32 (the 0.5B draft's rows are 896 wide): their
@@ -211,7 +217,7 @@ static inline void unpack_q5_0(const uint8_t *b, int8_t *w, float *d) {
     }
 }
 
-#ifdef LEVER_AVX2
+#if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* the AVX-512 build has block_q32_512 */
 /* The same block as 32 int8 in one register: nibbles plus the fifth bit expanded from qh. */
 static inline __m256i q5_0_avx2(const uint8_t *b) {
     const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6));
@@ -257,25 +263,12 @@ static void block_q32_avx2(int type, const uint8_t *b, int64_t s, int64_t k, int
         _mm256_storeu_ps(acc + 8 * i, _mm256_add_ps(_mm256_loadu_ps(acc + 8 * i), _mm256_add_ps(v0, v1)));
     }
 }
+#endif
 
+/* The final sum of a 32-block type's eight float lanes (every path adds them in this order). */
 static inline float hsum8(const float *a) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
-#endif
-
-/* sum of 32 int8 * int8 */
-static inline int32_t dot_i8(const int8_t *w, const int8_t *a) {
-#ifdef LEVER_AVX2
-    __m256i wv = _mm256_loadu_si256((const __m256i *)w), av = _mm256_loadu_si256((const __m256i *)a);
-    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
-    return hsum_i32(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-#else
-    int32_t s = 0;
-    for (int e = 0; e < 32; e++) s += w[e] * a[e];
-    return s;
-#endif
-}
-
 
 #ifdef LEVER_AVX512
 /* AVX-512 versions of the Q4_K / Q6_K blocks: weights are unpacked once per block
@@ -376,6 +369,167 @@ static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
                                              _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, off)), _mm256_loadu_ps(ai)));
     }
 }
+
+/* Two Q5_0 blocks as 64 unsigned codes q (0..31; the value is q - 16): the fifth bits of both
+ * straight from their qh words as one 64-bit byte mask (bit e of qh is element e). */
+static inline __m512i q5_0_codes_512(const uint8_t *b0, const uint8_t *b1) {
+    const __m512i qs = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 6)))),
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b1 + 6))), 1);
+    /* the second 16 of each block's 32 elements are its high nibbles (qwords 2-3 and 6-7) */
+    const __m512i nib = _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, qs, _mm512_srli_epi16(qs, 4)),
+                                         _mm512_set1_epi8(0x0F));
+    uint32_t h0, h1;
+    memcpy(&h0, b0 + 2, 4);
+    memcpy(&h1, b1 + 2, 4);
+    return _mm512_or_si512(nib, _mm512_maskz_mov_epi8((__mmask64)h0 | ((__mmask64)h1 << 32), _mm512_set1_epi8(0x10)));
+}
+
+static inline __m512i q5_0_pair_512(const uint8_t *b0, const uint8_t *b1) {
+    return _mm512_sub_epi8(q5_0_codes_512(b0, b1), _mm512_set1_epi8(16));
+}
+
+/* block_q32_avx2 two blocks per instruction: block c in the low eight lanes, c + 1 in the high
+ * eight, so the low half is its even register chain and the high half its odd one. Each lane
+ * holds the same exact integer (four adjacent products, here by VNNI) scaled by the same float
+ * product and fused-added in the same order: the same bits as the AVX2 and portable paths, at
+ * about half the instructions (the draft's Q5_0 matmuls were its largest cost). */
+static void block_q32_512(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q,
+                          const float *d, float *acc) {
+    const int64_t nsb = n_groups(k);
+    const int nb = (int)(group_len(k, s) / 32), bs = type == T_Q8_0 ? 34 : 22, np = (nb + 1) / 2;
+    __m512i aw[4];
+    __mmask64 neg[4];
+    __m512 dw[4];
+    for (int c = 0; c < np; c++) { /* unpack the group once, reuse it for every row */
+        const uint8_t *b0 = b + bs * 2 * c, *b1 = 2 * c + 1 < nb ? b0 + bs : b0;
+        const __m512i w = type == T_Q8_0
+            ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                 _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1)
+            : q5_0_pair_512(b0, b1);
+        aw[c] = _mm512_abs_epi8(w);
+        neg[c] = _mm512_movepi8_mask(w);
+        dw[c] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(f16_to_f32(b0))),
+                                                    _mm256_castps_pd(_mm256_set1_ps(f16_to_f32(b1))), 1));
+    }
+    /* an odd last block fills only the low lanes (even chain); its activations are read 32 wide */
+    const __mmask16 tail = nb & 1 ? 0x00FF : 0xFFFF;
+    const __mmask64 tail_bytes = nb & 1 ? 0xFFFFFFFFULL : ~0ULL;
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t i = 0; i < n; i++) {
+        const int8_t *a = q + i * k + s * QK;
+        const __m512 da = _mm512_set1_ps(d[i * nsb + s]);
+        __m512 v = _mm512_setzero_ps();
+        for (int c = 0; c < np; c++) {
+            const int last = c == np - 1;
+            __m512i av = _mm512_maskz_loadu_epi8(last ? tail_bytes : ~0ULL, a + 64 * c);
+            av = _mm512_mask_sub_epi8(av, neg[c], zero, av); /* the sign of w moved onto a */
+            const __m512i p = _mm512_dpbusd_epi32(zero, aw[c], av);
+            v = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[c], da), v, last ? tail : 0xFFFF);
+        }
+        const __m256 lo = _mm512_castps512_ps256(v);
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+        _mm256_storeu_ps(acc + 8 * i, _mm256_add_ps(_mm256_loadu_ps(acc + 8 * i), _mm256_add_ps(lo, hi)));
+    }
+}
+
+/* Lane sums of activation rows for row_q32_512: corr[i * k/4 + l] = -off * (a[4l] + ... + a[4l+3]),
+ * off the bias of the type's unsigned weight codes (Q5_0's q is already q - 16 + 16; Q8_0's w + 128). */
+static void q32_corrections(int type, const int8_t *q, int64_t k, int64_t n, int32_t *corr) {
+    const int32_t off = type == T_Q8_0 ? 128 : 16;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t l = 0; l < k / 4; l++) {
+            const int8_t *a = q + i * k + 4 * l;
+            corr[i * (k / 4) + l] = -off * (a[0] + a[1] + a[2] + a[3]);
+        }
+}
+
+/* R whole Q8_0 / Q5_0 weight rows (rb bytes apart) against N <= 4 activation rows: block_q32_512's
+ * float arithmetic in the same order, each output's eight lanes kept in a register across groups.
+ * The R x N outputs' chains interleave, since one row's chain of fused adds is too long for the
+ * out-of-order window to overlap it with the next row's. The integer dots take unsigned weight
+ * codes (VNNI multiplies unsigned by signed bytes) and start from the activations' lane sums
+ * times the codes' bias: the same exact integers with fewer instructions. */
+static inline __attribute__((always_inline)) void rows_q32_512(
+        int type, const uint8_t *b, size_t rb, int64_t k, const int R, const int N, const int8_t *q,
+        const float *d, const int32_t *corr, float *out, int64_t stride) {
+    const int64_t nsb = n_groups(k);
+    const int bs = type == T_Q8_0 ? 34 : 22;
+    __m256 acc[8];
+    for (int o = 0; o < R * N; o++) acc[o] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const int nb = (int)(group_len(k, s) / 32), np = (nb + 1) / 2;
+        __m512 v[8], da[4];
+        for (int o = 0; o < R * N; o++) v[o] = _mm512_setzero_ps();
+        for (int i = 0; i < N; i++) da[i] = _mm512_set1_ps(d[i * nsb + s]);
+        for (int c = 0; c < np; c++) {
+            const int last = c == np - 1;
+            /* an odd last block fills only the low lanes (the even chain); its operands are read half wide */
+            const __mmask16 m16 = last && (nb & 1) ? 0x00FF : 0xFFFF;
+            const __mmask64 m64 = last && (nb & 1) ? 0xFFFFFFFFULL : ~0ULL;
+            __m512i a[4], ci[4];
+            for (int i = 0; i < N; i++) {
+                a[i] = _mm512_maskz_loadu_epi8(m64, q + i * k + s * QK + 64 * c);
+                ci[i] = _mm512_maskz_loadu_epi32(m16, corr + i * (k / 4) + s * (QK / 4) + 16 * c);
+            }
+            for (int r = 0; r < R; r++) {
+                const uint8_t *b0 = b + r * rb + (size_t)s * (8 * bs) + bs * 2 * c;
+                const uint8_t *b1 = 2 * c + 1 < nb ? b0 + bs : b0;
+                const __m512i u = type == T_Q8_0
+                    ? _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                                          _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1),
+                                       _mm512_set1_epi8((char)0x80))
+                    : q5_0_codes_512(b0, b1);
+                const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(f16_to_f32(b0))),
+                                                                      _mm256_castps_pd(_mm256_set1_ps(f16_to_f32(b1))), 1));
+                for (int i = 0; i < N; i++) {
+                    const __m512i p = _mm512_dpbusd_epi32(ci[i], u, a[i]);
+                    v[r * N + i] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, da[i]), v[r * N + i], m16);
+                }
+            }
+        }
+        for (int o = 0; o < R * N; o++) {
+            const __m256 lo = _mm512_castps512_ps256(v[o]);
+            const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[o]), 1));
+            acc[o] = _mm256_add_ps(acc[o], _mm256_add_ps(lo, hi));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < N; i++) {
+            float l[8];
+            _mm256_storeu_ps(l, acc[r * N + i]);
+            out[i * stride + r] = hsum8(l);
+        }
+}
+
+/* Weight rows [j0, j1) against n <= 4 activation rows, by rows_q32_512 with constant shapes. */
+static void few_rows_q32_512(int type, const uint8_t *w, size_t rb, int64_t j0, int64_t j1, int64_t k, int64_t n,
+                             const int8_t *q, const float *d, const int32_t *corr, float *out, int64_t stride) {
+    const int R = n == 1 ? 4 : 2;
+    int64_t j = j0;
+    for (; j + R <= j1; j += R) {
+        if (j + R + PREFETCH_ROWS <= j1) { /* software prefetch: the loads in flight are too few without it */
+            const char *ahead = (const char *)w + (size_t)(j + PREFETCH_ROWS) * rb;
+            for (size_t o = 0; o < (size_t)R * rb; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+        }
+        const uint8_t *b = w + (size_t)j * rb;
+        switch (n) {
+        case 1: rows_q32_512(type, b, rb, k, 4, 1, q, d, corr, out + j, stride); break;
+        case 2: rows_q32_512(type, b, rb, k, 2, 2, q, d, corr, out + j, stride); break;
+        case 3: rows_q32_512(type, b, rb, k, 2, 3, q, d, corr, out + j, stride); break;
+        default: rows_q32_512(type, b, rb, k, 2, 4, q, d, corr, out + j, stride); break;
+        }
+    }
+    for (; j < j1; j++) {
+        const uint8_t *b = w + (size_t)j * rb;
+        switch (n) {
+        case 1: rows_q32_512(type, b, rb, k, 1, 1, q, d, corr, out + j, stride); break;
+        case 2: rows_q32_512(type, b, rb, k, 1, 2, q, d, corr, out + j, stride); break;
+        case 3: rows_q32_512(type, b, rb, k, 1, 3, q, d, corr, out + j, stride); break;
+        default: rows_q32_512(type, b, rb, k, 1, 4, q, d, corr, out + j, stride); break;
+        }
+    }
+}
 #endif
 
 /* One 256-block of weight row `b` against activation rows [0, n): acc[i] += block dot.
@@ -413,27 +567,28 @@ static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n
                 a[l] = fmaf(dx * dw, (float)v, a[l]);
             }
         }
-    } else if (type == T_Q8_0) { /* up to eight 34-byte blocks per group of activations */
-        const int nb = (int)(group_len(k, s) / 32);
-        for (int64_t i = 0; i < n; i++) {
-            const int8_t *a = q + i * k + s * QK;
-            float fs = 0.0f;
-            for (int c = 0; c < nb; c++) {
-                const uint8_t *blk = b + 34 * c;
-                fs += f16_to_f32(blk) * (float)dot_i8((const int8_t *)(blk + 2), a + 32 * c);
-            }
-            acc[i] += d[i * nsb + s] * fs;
-        }
-    } else { /* Q5_0: 22-byte blocks, unpacked once to int8 (q - 16) and reused for every row */
+    } else { /* Q8_0 / Q5_0: the SIMD paths' eight lanes (four adjacent products each) and their two
+              * chains of fused adds, even blocks and odd ones, joined per group: the same bits */
         const int nb = (int)(group_len(k, s) / 32);
         int8_t wq[8][32];
         float dw[8];
-        for (int c = 0; c < nb; c++) unpack_q5_0(b + 22 * c, wq[c], &dw[c]);
+        for (int c = 0; c < nb; c++) {
+            if (type == T_Q8_0) {
+                memcpy(wq[c], b + 34 * c + 2, 32);
+                dw[c] = f16_to_f32(b + 34 * c);
+            } else unpack_q5_0(b + 22 * c, wq[c], &dw[c]);
+        }
         for (int64_t i = 0; i < n; i++) {
             const int8_t *a = q + i * k + s * QK;
-            float fs = 0.0f;
-            for (int c = 0; c < nb; c++) fs += dw[c] * (float)dot_i8(wq[c], a + 32 * c);
-            acc[i] += d[i * nsb + s] * fs;
+            const float da = d[i * nsb + s];
+            float v[2][8] = {{0}};
+            for (int c = 0; c < nb; c++)
+                for (int l = 0; l < 8; l++) {
+                    int32_t p = 0;
+                    for (int e = 4 * l; e < 4 * l + 4; e++) p += wq[c][e] * a[32 * c + e];
+                    v[c & 1][l] = fmaf((float)p, dw[c] * da, v[c & 1][l]);
+                }
+            for (int l = 0; l < 8; l++) acc[8 * i + l] += v[0][l] + v[1][l];
         }
     }
 }
@@ -537,11 +692,7 @@ static void *run_job(void *arg) {
     Job *jb = (Job *)arg;
     const size_t rb = row_bytes(jb->type, jb->k);
     const int64_t nsb = n_groups(jb->k), n = jb->n > 0 ? jb->n : 1;
-#ifdef LEVER_AVX2
     const int64_t lanes = !jb->x && is_kquant(jb->type) ? KLANES : !jb->x && (jb->type == T_Q8_0 || jb->type == T_Q5_0) ? 8 : 1;
-#else
-    const int64_t lanes = !jb->x && is_kquant(jb->type) ? KLANES : 1;
-#endif
     float *acc = malloc(sizeof(float) * (size_t)(n * ROW_GROUP * lanes));
     float *wf = jb->x ? malloc(sizeof(float) * QK) : NULL;
     if (!acc || (jb->x && !wf)) { jb->failed = 1; free(acc); free(wf); return NULL; }
@@ -549,13 +700,30 @@ static void *run_job(void *arg) {
     /* a few activation rows gain nothing from grouping: stream each weight row contiguously (the
      * draft's batched levels of 3-4 rows ran 15% faster so, from DRAM-resident weights) */
     const int64_t group = jb->n <= 4 ? 1 : ROW_GROUP;
+#ifdef LEVER_AVX512
+    if (lanes == 8 && jb->n <= 4) {
+        int32_t *corr = malloc(sizeof(int32_t) * (size_t)(n * (jb->k / 4)));
+        if (!corr) { jb->failed = 1; free(acc); free(wf); return NULL; }
+        q32_corrections(jb->type, jb->q, jb->k, n, corr);
+        few_rows_q32_512(jb->type, jb->w, rb, jb->j0, jb->j1, jb->k, n, jb->q, jb->d, corr, jb->out, jb->out_stride);
+        free(corr);
+        free(acc);
+        free(wf);
+        return NULL;
+    }
+#endif
     for (int64_t j0 = jb->j0; j0 < jb->j1; j0 += group) {
         const int64_t rows = jb->j1 - j0 < group ? jb->j1 - j0 : group;
+        const int64_t ahead = j0 + (group > PREFETCH_ROWS ? group : PREFETCH_ROWS);
         memset(acc, 0, sizeof(float) * (size_t)(n * rows * lanes));
         for (int64_t s = 0; s < nsb; s++) {
             for (int64_t r = 0; r < rows; r++) {
                 const uint8_t *b = jb->w + (size_t)(j0 + r) * rb + (size_t)s * block;
                 float *ar = acc + r * n * lanes;
+                if (ahead + r < jb->j1) { /* the same block of a row further on (see PREFETCH_ROWS) */
+                    const char *p = (const char *)jb->w + (size_t)(ahead + r) * rb + (size_t)s * block;
+                    for (size_t o = 0; o < block; o += 64) __builtin_prefetch(p + o, 0, 3);
+                }
                 if (jb->x) {
                     const int64_t gl = group_len(jb->k, s);
                     dequant_block(jb->type, b, wf, gl);
@@ -565,7 +733,9 @@ static void *run_job(void *arg) {
                 else if (jb->type == T_Q4_K) block_q4k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bs16, ar);
                 else if (jb->type == T_Q6_K) block_q6k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bs16, ar);
 #endif
-#ifdef LEVER_AVX2
+#ifdef LEVER_AVX512
+                else if (lanes == 8) block_q32_512(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, ar);
+#elif defined(LEVER_AVX2)
                 else if (lanes == 8) block_q32_avx2(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, ar);
 #endif
                 else block_q8(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
@@ -574,11 +744,7 @@ static void *run_job(void *arg) {
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < jb->n; i++) {
                 const float *a = acc + (r * n + i) * lanes;
-#ifdef LEVER_AVX2
                 jb->out[i * jb->out_stride + j0 + r] = lanes == KLANES ? ksum(a) : lanes == 8 ? hsum8(a) : a[0];
-#else
-                jb->out[i * jb->out_stride + j0 + r] = lanes == KLANES ? ksum(a) : a[0];
-#endif
             }
     }
     free(acc);

@@ -152,9 +152,11 @@ def test_matmul_float_path(qtype, k, rows, n):
 
 @pytest.mark.parametrize("qtype", BLOCK32 + ["F32"])
 @pytest.mark.parametrize("k", [32, 96, 896, 4864 + 32])
-@pytest.mark.parametrize("rows,n", [(1, 37), (5, 40)])
+@pytest.mark.parametrize("rows,n", [(1, 37), (2, 38), (3, 39), (4, 41), (5, 40)])
 def test_matmul_rows_of_any_multiple_of_32(qtype, k, rows, n):
-    """The draft's 896-wide rows: the last activation group is partial, on both paths."""
+    """The draft's 896-wide rows: the last activation group is partial, on both paths. One to four
+    rows take the few-row kernel (weight rows two or four at a time, a tail of odd ones), five the
+    grouped one: every row's bits must match its own 1-row product."""
     w, wdq = weight(qtype, k, n)
     ref = wdq.astype(np.float64).T
     x = activations(rows, k, seed=k + rows)
