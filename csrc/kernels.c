@@ -123,15 +123,6 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t
 /* ------------------------------------------------- int8 activation dot products
  * Each returns the exact integer part of one 256-block; the caller combines. */
 
-#ifdef LEVER_AVX2
-static inline int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-#endif
-
 /* The integer part of one K-quant block against 256 int8 activations, split in eight lanes
  * the way llama.cpp's AVX2 vec_dot splits it: lane l holds bytes 4l..4l+3 of every 32-element
  * run. Its float accumulation then follows those lanes, which is what keeps our greedy

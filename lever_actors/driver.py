@@ -191,6 +191,7 @@ class Generation:
     stale_drafts: int = 0  # ... and answers still to come to a request sent before the commit: dropped
     ahead_busy_s: float = 0.0  # drafter time of the trees taken (their answers count it cumulatively)
     verify_start: float = 0.0  # when this pass's plan went to the verifier
+    reads0: float = 0.0  # the flash lane's busy seconds when this pass began
     reuse: bool = True  # prompt caching: prefill only what the last sequence does not share
     prefill_draft: bool = False  # the drafter's answer to the prefill is still to be collected
 
@@ -291,7 +292,7 @@ class Pipeline:
                     self.lever.pace.observe_draft(exps[0].draft_s, max(expansion_depth(e) for e in exps) + 2, hidden=True)
                 self._settle_assumption(g, commit, exps)
             g.step += 1
-            t_pass, g.pass_wait_s = time.perf_counter(), 0.0
+            t_pass, g.pass_wait_s, g.reads0 = time.perf_counter(), 0.0, self.tracer.busy("flash")
             tree = self._plan(g, await self._next_tree(g))
             g.verify_start = time.perf_counter()
             await self.plan_send.send(self._verify_plan(g, tree))
@@ -529,13 +530,20 @@ class Pipeline:
             self.lever.pace.observe_pass(n, pass_s, g.pass_wait_s)
             self.lever.observe(parents, tree.depths(), np.concatenate([[1.0], tree.probs]), commit.accepted_nodes,
                                pass_s=pass_s, compute_s=ps.compute_s, draft_s=0.0 if tree.ahead else tree.draft_s,
-                               ngram=tree.ngram)
+                               ngram=tree.ngram, reads_s=self._pass_reads(g))
             if tree.ngram is not None:
                 free = set(np.flatnonzero(tree.ngram).tolist())
                 st.ngram_n += len(free)
                 st.ngram_accepted += len(free & set(commit.accepted_nodes))
             g.draft_cap = self.lever.next_draft_size(g.gamma)
         g.prev_accepted = commit.accepted_nodes
+
+    def _pass_reads(self, g: Generation) -> float | None:
+        """Seconds the flash lane read during this pass; None when nothing streams (all pinned: the
+        cost model then takes the pass itself as its floor, since compute fits poorly on a fast pass)."""
+        if not (self.plan.streamed or self.plan.head_streamed):
+            return None
+        return self.tracer.busy("flash") - g.reads0
 
     async def _settle(self, g: Generation, commit) -> None:
         """Collect the trees drafted ahead (if a request is in flight) and see whether an assumption held."""

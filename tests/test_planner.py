@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lever_actors.planner import AcceptanceCalibration, CostModel, path_probabilities, plan_tree
+from lever_actors.planner import AcceptanceCalibration, CostModel, overlap, path_probabilities, plan_tree
 
 
 @st.composite
@@ -148,7 +148,8 @@ def test_a_fresh_process_plans_its_first_pass_from_the_prefill():
     assert pol.costs.ready and pol.costs.floor_s == 0.5 and pol.pace.verify_s == 0.5
     c0, c1 = pol.costs.compute_line()
     assert c0 == pytest.approx(0.0) and c1 == pytest.approx(0.03)
-    assert pol.costs.cost(4) == pytest.approx(0.5) and pol.costs.cost(30) == pytest.approx(0.9)
+    assert pol.costs.cost(4) == pytest.approx(overlap(0.5, 0.12)) and pol.costs.cost(30) == pytest.approx(overlap(0.5, 0.9))
+    assert 0.5 < pol.costs.cost(4) < 0.501 and 0.9 < pol.costs.cost(30) < 0.93
     parents = np.arange(-1, 32)  # a 32-deep chain, every node a sure thing: a floor-sized plan, not all 32
     keep = pol.select(parents, np.ones(33), max_nodes=32)
     assert 16 <= len(keep) - 1 < 32
@@ -157,5 +158,54 @@ def test_a_fresh_process_plans_its_first_pass_from_the_prefill():
     pol.seed(n_rows=10, io_s=9.0, compute_s=9.0)  # once seeded (or measured), a seed changes nothing
     assert pol.costs.floor_s == 0.5
     for _ in range(20):
-        pol.costs.observe(n_nodes=8, pass_s=0.7, compute_s=0.4, draft_s=0.0)
-    assert pol.costs.floor_s == pytest.approx(0.7, abs=0.01)
+        pol.costs.observe(n_nodes=8, pass_s=0.7, compute_s=0.4, draft_s=0.0, reads_s=0.6)
+    assert pol.costs.floor_s == pytest.approx(0.6, abs=0.01)
+    assert pol.costs.rest_s == pytest.approx(0.7 - overlap(0.6, 0.4), abs=0.01)
+
+
+def test_reads_and_compute_overlap_imperfectly_so_no_node_is_free():
+    """With the reads measured, a node costs a part of its compute however far below the reads the
+    pass's compute stays (a max() made every node free there, and lever's trees grew until each
+    pass ran 15% over its reads); far below, nearly nothing; above, nearly all of it."""
+    assert overlap(0.5, 0.0) == 0.5 and overlap(0.0, 0.3) == 0.3
+    assert overlap(0.486, 0.445) == pytest.approx(0.555, abs=0.002)  # a measured pass took 0.56 s
+    assert overlap(1.0, 1.0) == pytest.approx(2 ** 0.25)
+    cm = CostModel(alpha=0.5)
+    for _ in range(30):
+        for n in (4, 8, 16):  # compute 0.1 + 0.02 n against 0.5 s of reads; 20 ms of bookkeeping
+            c = 0.1 + 0.02 * n
+            cm.observe(n_nodes=n, pass_s=overlap(0.5, c) + 0.02, compute_s=c, draft_s=0.0, reads_s=0.5)
+    assert cm.floor_s == pytest.approx(0.5) and cm.rest_s == pytest.approx(0.02)
+    step = [cm.cost(n + 1) - cm.cost(n) for n in (1, 10, 40)]
+    assert 0 < step[0] < 0.001 < step[1] < 0.02 and step[2] == pytest.approx(0.02, rel=0.1)
+    # a chain whose nodes are accepted 85% of the time given their parent: the plan is shorter than
+    # the one that takes nodes as free below a floor of the whole pass
+    free = CostModel(alpha=0.5)
+    for _ in range(30):
+        for n in (4, 8, 16):
+            c = 0.1 + 0.02 * n
+            free.observe(n_nodes=n, pass_s=overlap(0.5, c) + 0.02, compute_s=c, draft_s=0.0)
+    chain, path_p = np.arange(-1, 32), 0.85 ** np.arange(33)
+    ours, old = (len(plan_tree(chain, path_p, m.cost, 33, 32)) - 1 for m in (cm, free))
+    assert 4 <= ours < old
+
+
+def test_a_waited_for_draft_goes_no_deeper_than_the_calibrated_acceptance_pays():
+    """A draft the pass waits for stops where even a sure-looking path (draft probability 0.9) is
+    no longer accepted often enough to pay for a level; where the target accepts such paths, the
+    pace's own cap stands."""
+    from lever_actors.planner import LeverPolicy
+
+    def policy(accept: float) -> LeverPolicy:
+        pol = LeverPolicy()
+        pol.pace.observe_draft(draft_s=0.04, calls=1)  # 40 ms a level
+        pol.pace.observe_pass(committed=5, pass_s=0.5, waited_s=0.0)  # 10 tok/s
+        for d in range(1, 17):  # many observations: the prior no longer matters
+            pol.calibration.observe([d] * 200, [0.9] * 200, np.arange(200) < 200 * accept)
+        return pol
+
+    depth, min_p = policy(0.7).draft_limits(hidden=False, max_depth=16)
+    assert min_p == pytest.approx(10 * 0.04) and depth == int(np.log(min_p) / np.log(0.7))  # 0.7^2 >= 0.4 > 0.7^3
+    assert policy(0.99).draft_limits(hidden=False, max_depth=16)[0] == 16
+    assert policy(0.3).draft_limits(hidden=False, max_depth=16)[0] == 1  # at least one level
+    assert policy(0.3).draft_limits(hidden=True, max_depth=16)[0] > 1  # hidden drafts cost no wait
