@@ -37,9 +37,6 @@ NGRAM_BRANCH = 8  # tokens of a prompt-lookup branch offered to the planner
 # drawn path keeps this much draft probability (like a chain of 8, shorter when the draft hesitates)
 SAMPLED_MAX_DEPTH = 8
 SAMPLED_MIN_PATH_P = 0.2
-# ... and one node per level: a sampled tree is verified whole, and two per level made its passes
-# compute-bound (0.78 s of compute against 0.53 s of reads at 768 MiB; 0.84x flash-chain:4)
-SAMPLED_WIDTH = 1
 # multi-outcome cross-step drafting (lever, greedy): besides the main path accepted whole, draft ahead
 # for this many more of the likeliest stops of the tree, if at least this likely. Every hypothesis is
 # then a chain as deep: three rows cost a draft call 10% more than one, a fourth (a second branch
@@ -390,7 +387,7 @@ class Pipeline:
             # seeded run draws the same tree shapes every time (truncating whole levels by the
             # draft's path probability leaves rejection sampling at every kept node exact)
             depth = min(g.max_depth, SAMPLED_MAX_DEPTH)
-            return {"max_nodes": min(g.draft_cap, SAMPLED_WIDTH * depth), "max_depth": depth,
+            return {"max_nodes": min(g.draft_cap, width * depth), "max_depth": depth,
                     "min_path_p": SAMPLED_MIN_PATH_P, **borrow}
         if not (self._planning(g) and self.cfg.adaptive_depth):
             return {"max_nodes": g.draft_cap, "max_depth": g.max_depth, **borrow}
