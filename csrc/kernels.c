@@ -493,6 +493,19 @@ static inline __attribute__((always_inline)) void rows_q32_512(
         }
 }
 
+/* rows_q32_512 on the weight rows from j: R1 of them for one activation row, R2 for more (the
+ * shapes are literal constants in every call, so each call is compiled for its own shape) */
+#define Q32_ROWS(R1, R2)                                                                                  \
+    do {                                                                                                  \
+        const uint8_t *b = w + (size_t)j * rb;                                                            \
+        switch (n) {                                                                                      \
+        case 1: rows_q32_512(type, b, rb, k, R1, 1, q, d, corr, out + j, stride); break;                  \
+        case 2: rows_q32_512(type, b, rb, k, R2, 2, q, d, corr, out + j, stride); break;                  \
+        case 3: rows_q32_512(type, b, rb, k, R2, 3, q, d, corr, out + j, stride); break;                  \
+        default: rows_q32_512(type, b, rb, k, R2, 4, q, d, corr, out + j, stride); break;                 \
+        }                                                                                                 \
+    } while (0)
+
 /* Weight rows [j0, j1) against n <= 4 activation rows, by rows_q32_512 with constant shapes. */
 static void few_rows_q32_512(int type, const uint8_t *w, size_t rb, int64_t j0, int64_t j1, int64_t k, int64_t n,
                              const int8_t *q, const float *d, const int32_t *corr, float *out, int64_t stride) {
@@ -503,24 +516,11 @@ static void few_rows_q32_512(int type, const uint8_t *w, size_t rb, int64_t j0, 
             const char *ahead = (const char *)w + (size_t)(j + PREFETCH_ROWS) * rb;
             for (size_t o = 0; o < (size_t)R * rb; o += 64) __builtin_prefetch(ahead + o, 0, 3);
         }
-        const uint8_t *b = w + (size_t)j * rb;
-        switch (n) {
-        case 1: rows_q32_512(type, b, rb, k, 4, 1, q, d, corr, out + j, stride); break;
-        case 2: rows_q32_512(type, b, rb, k, 2, 2, q, d, corr, out + j, stride); break;
-        case 3: rows_q32_512(type, b, rb, k, 2, 3, q, d, corr, out + j, stride); break;
-        default: rows_q32_512(type, b, rb, k, 2, 4, q, d, corr, out + j, stride); break;
-        }
+        Q32_ROWS(4, 2); /* R weight rows: 4 for one activation row, 2 for more */
     }
-    for (; j < j1; j++) {
-        const uint8_t *b = w + (size_t)j * rb;
-        switch (n) {
-        case 1: rows_q32_512(type, b, rb, k, 1, 1, q, d, corr, out + j, stride); break;
-        case 2: rows_q32_512(type, b, rb, k, 1, 2, q, d, corr, out + j, stride); break;
-        case 3: rows_q32_512(type, b, rb, k, 1, 3, q, d, corr, out + j, stride); break;
-        default: rows_q32_512(type, b, rb, k, 1, 4, q, d, corr, out + j, stride); break;
-        }
-    }
+    for (; j < j1; j++) Q32_ROWS(1, 1);
 }
+#undef Q32_ROWS
 #endif
 
 /* One 256-block of weight row `b` against activation rows [0, n): acc[i] += block dot.
