@@ -376,6 +376,17 @@ static inline __m512i q5_0_codes_512(const uint8_t *b0, const uint8_t *b1) {
     return _mm512_or_si512(nib, _mm512_maskz_mov_epi8((__mmask64)h0 | ((__mmask64)h1 << 32), _mm512_set1_epi8(0x10)));
 }
 
+/* Two Q8_0 blocks' 64 int8 weights, and two 32-blocks' scales (block b0 in the low eight lanes) */
+static inline __m512i q8_0_pair_512(const uint8_t *b0, const uint8_t *b1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                              _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+}
+
+static inline __m512 scale_pair_512(const uint8_t *b0, const uint8_t *b1) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(f16_to_f32(b0))),
+                                               _mm256_castps_pd(_mm256_set1_ps(f16_to_f32(b1))), 1));
+}
+
 static inline __m512i q5_0_pair_512(const uint8_t *b0, const uint8_t *b1) {
     return _mm512_sub_epi8(q5_0_codes_512(b0, b1), _mm512_set1_epi8(16));
 }
@@ -394,14 +405,10 @@ static void block_q32_512(int type, const uint8_t *b, int64_t s, int64_t k, int6
     __m512 dw[4];
     for (int c = 0; c < np; c++) { /* unpack the group once, reuse it for every row */
         const uint8_t *b0 = b + bs * 2 * c, *b1 = 2 * c + 1 < nb ? b0 + bs : b0;
-        const __m512i w = type == T_Q8_0
-            ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
-                                 _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1)
-            : q5_0_pair_512(b0, b1);
+        const __m512i w = type == T_Q8_0 ? q8_0_pair_512(b0, b1) : q5_0_pair_512(b0, b1);
         aw[c] = _mm512_abs_epi8(w);
         neg[c] = _mm512_movepi8_mask(w);
-        dw[c] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(f16_to_f32(b0))),
-                                                    _mm256_castps_pd(_mm256_set1_ps(f16_to_f32(b1))), 1));
+        dw[c] = scale_pair_512(b0, b1);
     }
     /* an odd last block fills only the low lanes (even chain); its activations are read 32 wide */
     const __mmask16 tail = nb & 1 ? 0x00FF : 0xFFFF;
@@ -466,13 +473,9 @@ static inline __attribute__((always_inline)) void rows_q32_512(
             for (int r = 0; r < R; r++) {
                 const uint8_t *b0 = b + r * rb + (size_t)s * (8 * bs) + bs * 2 * c;
                 const uint8_t *b1 = 2 * c + 1 < nb ? b0 + bs : b0;
-                const __m512i u = type == T_Q8_0
-                    ? _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
-                                                          _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1),
-                                       _mm512_set1_epi8((char)0x80))
-                    : q5_0_codes_512(b0, b1);
-                const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(f16_to_f32(b0))),
-                                                                      _mm256_castps_pd(_mm256_set1_ps(f16_to_f32(b1))), 1));
+                const __m512i u = type == T_Q8_0 ? _mm512_xor_si512(q8_0_pair_512(b0, b1), _mm512_set1_epi8((char)0x80))
+                                                 : q5_0_codes_512(b0, b1);
+                const __m512 dw = scale_pair_512(b0, b1);
                 for (int i = 0; i < N; i++) {
                     const __m512i p = _mm512_dpbusd_epi32(ci[i], u, a[i]);
                     v[r * N + i] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, da[i]), v[r * N + i], m16);
@@ -668,6 +671,7 @@ typedef struct {
     const float *d;
     const int32_t *bsums;
     const int16_t *bs16; /* bsums as int16 (the width llama.cpp's q8_K keeps them in), for the AVX-512 K-quants */
+    const int32_t *corr; /* lane sums times the code bias, for the AVX-512 few-row 32-block kernel */
     const float *x; /* fp32 path when non-NULL */
     float *out;
     int64_t out_stride;
@@ -692,12 +696,8 @@ static void *run_job(void *arg) {
      * draft's batched levels of 3-4 rows ran 15% faster so, from DRAM-resident weights) */
     const int64_t group = jb->n <= 4 ? 1 : ROW_GROUP;
 #ifdef LEVER_AVX512
-    if (lanes == 8 && jb->n <= 4) {
-        int32_t *corr = malloc(sizeof(int32_t) * (size_t)(n * (jb->k / 4)));
-        if (!corr) { jb->failed = 1; free(acc); free(wf); return NULL; }
-        q32_corrections(jb->type, jb->q, jb->k, n, corr);
-        few_rows_q32_512(jb->type, jb->w, rb, jb->j0, jb->j1, jb->k, n, jb->q, jb->d, corr, jb->out, jb->out_stride);
-        free(corr);
+    if (jb->corr) {
+        few_rows_q32_512(jb->type, jb->w, rb, jb->j0, jb->j1, jb->k, n, jb->q, jb->d, jb->corr, jb->out, jb->out_stride);
         free(acc);
         free(wf);
         return NULL;
@@ -833,18 +833,24 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
                : (!need(&q, n * k, "q") || !need(&d, n * g * 4, "d") || !need(&bs, n * g * 16 * 4, "bsums")))
         goto done;
     int16_t *bs16 = NULL; /* converted once here, not in every thread */
+    int32_t *corr = NULL; /* likewise */
 #ifdef LEVER_AVX512
     if (!have_x && is_kquant(type) && n > 0) {
         if (!(bs16 = malloc(sizeof(int16_t) * (size_t)(n * g * 16)))) { PyErr_NoMemory(); goto done; }
         for (Py_ssize_t e = 0; e < n * g * 16; e++) bs16[e] = (int16_t)((const int32_t *)bs.buf)[e];
     }
+    if (!have_x && (type == T_Q8_0 || type == T_Q5_0) && n > 0 && n <= 4) {
+        if (!(corr = malloc(sizeof(int32_t) * (size_t)(n * (k / 4))))) { PyErr_NoMemory(); goto done; }
+        q32_corrections(type, q.buf, k, n, corr);
+    }
 #endif
-    Job job = {type, w.buf, k, n, 0, m, q.buf, d.buf, bs.buf, bs16, have_x ? x.buf : NULL, out.buf, stride, 0};
+    Job job = {type, w.buf, k, n, 0, m, q.buf, d.buf, bs.buf, bs16, corr, have_x ? x.buf : NULL, out.buf, stride, 0};
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = run_split(job, m, threads);
     Py_END_ALLOW_THREADS
     free(bs16);
+    free(corr);
     if (failed) { PyErr_NoMemory(); goto done; }
     ret = Py_None;
     Py_INCREF(ret);
