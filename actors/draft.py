@@ -8,7 +8,7 @@ import trio
 
 from lever_actors.prune import ALTERNATIVES
 from lever_actors.scratch_tree import ScratchTree
-from protocols import DraftExpansion, DraftRequest
+from protocols import DraftExpansion, DraftRequest, DraftSteer
 
 
 class Drafter:
@@ -29,12 +29,18 @@ class Drafter:
     token), every level of every hypothesis in one batched draft call, so they share
     one read of the draft's weights. Nothing assumed is committed until a later
     request's tokens say so, so no outcome needs undoing.
-    Backpressure: one request at a time on the CPU lane.
+    Steering (``steer_recv``, optional): a cross-step request is drafted one draft call per
+    level, and between calls the drafter reads the DraftSteers of the pass it drafts beside:
+    a predicted outcome no tree assumes gets a tree planted for it, and at the commit the
+    trees of other outcomes stop growing (``DraftSteer``). Steers only choose what the next
+    levels draft, never a token of the output.
+    Backpressure: one request at a time on the CPU lane; steers are read without waiting.
     Cancellation: a draft in a thread finishes; its scratch rows are discarded
     by the next request's sync (or its reset).
     """
 
-    def __init__(self, model, requests_recv, out_send, lanes, tracer, head=None, prefix_store=None) -> None:
+    def __init__(self, model, requests_recv, out_send, lanes, tracer, head=None, prefix_store=None,
+                 steer_recv=None) -> None:
         from lever_actors.draft_vocab import FullHead
         from lever_actors.prefix_cache import PrefixStore
 
@@ -51,6 +57,12 @@ class Drafter:
         self.growing: dict | None = None  # the last request's trees, while an extend request may grow them
         self.tree = ScratchTree()  # everything drafted or assumed below the root (node i in KV slot length + i)
         self._column_ids, self._column_at = None, None  # token -> head column, for the head's current ids
+        self.steer_recv = steer_recv
+        self.steers: list[DraftSteer] = []  # received, for a pass whose cross-step request is still to come
+        # steering so far (cumulative): predicted outcomes that arrived while their request still drafted,
+        # predictions scored against their commit and those right, trees planted for a prediction
+        self.steer_counts = {"applied": 0, "checked": 0, "right": 0, "planted": 0}
+        self._predictions: dict[tuple[int, int], DraftSteer] = {}  # (session, pass) -> its prediction, until its commit
 
     def _use_threads(self, n: int) -> None:
         """Kernel threads of this draft (native kernels take them per call; ORT sessions keep theirs)."""
@@ -74,8 +86,90 @@ class Drafter:
         async with self.requests_recv, self.out_send:
             task_status.started()
             async for req in self.requests_recv:
-                for exp in await self.lanes.run("cpu", self.draft, req):
+                steered = self.steer_recv is not None and req.hypotheses and not req.extend
+                for exp in await (self._draft_steered(req) if steered else self.lanes.run("cpu", self.draft, req)):
                     await self.out_send.send(exp)
+
+    async def _draft_steered(self, req: DraftRequest) -> list[DraftExpansion]:
+        """``draft`` one level per lane call, reading the steers that arrived in between."""
+        t0 = await self.lanes.run("cpu", self._begin, req)
+        levels = 0
+        while True:
+            self._take_steers(req)
+            if not any(t["active"] for t in self.growing["trees"]) or (req.levels and levels >= req.levels):
+                break
+            await self.lanes.run("cpu", self._grow_levels, 1, t0)
+            t0, levels = None, levels + 1
+        if t0 is not None:  # no level drawn: assuming the outcomes was all the drafting
+            self.growing["draft_s"] += time.perf_counter() - t0
+        return self._answer(req)
+
+    # -- steering -----------------------------------------------------------------------------------
+
+    def _take_steers(self, req: DraftRequest) -> None:
+        """Apply the steers of the pass this request drafts beside (step ``req.step - 1``); keep
+        those of later passes, drop those of earlier ones."""
+        while True:
+            try:
+                self.steers.append(self.steer_recv.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        pass_step, now, later = req.step - 1, [], []
+        for s in self.steers:  # score each prediction against its commit, even one that came too late to steer
+            key = (s.session_id, s.step)
+            if not s.final:
+                self._predictions[key] = s
+            elif (p := self._predictions.pop(key, None)) is not None:
+                self.steer_counts["checked"] += 1
+                self.steer_counts["right"] += p.path == s.path and p.next_token in (-1, s.next_token)
+        self._predictions = {k: p for k, p in self._predictions.items() if k >= (req.session_id, pass_step - 1)}
+        for s in self.steers:
+            key = (s.session_id, s.step)
+            if key == (req.session_id, pass_step):
+                now.append(s)
+            elif key > (req.session_id, pass_step):
+                later.append(s)
+        self.steers = later
+        for s in now:
+            self.steer(s, req)
+
+    def steer(self, s: DraftSteer, req: DraftRequest) -> None:
+        """Apply one DraftSteer to the trees of ``req`` (see DraftSteer)."""
+        g = self.growing
+        trees = g["trees"]
+
+        def assumes(t) -> bool:
+            a = tuple(t["assumed"])
+            return bool(a) and a[:-1] == tuple(s.path) and (s.next_token < 0 or a[-1] == s.next_token)
+
+        held = [t for t in trees if assumes(t)]
+        if s.final:
+            for t in trees:
+                if t not in held:
+                    t["active"] = False
+                    continue
+                if s.max_depth:
+                    t["max_depth"] = min(t["max_depth"], max(s.max_depth, 1))
+                t["min_path_p"] = max(t.get("min_path_p", 0.0), s.min_path_p)
+                level_p = [t["path_p"][n] for n in t["frontier"] if n >= 0]
+                if t["depth"] >= t["max_depth"] or (level_p and max(level_p) < t["min_path_p"]):
+                    t["active"] = False
+            return
+        self.steer_counts["applied"] += 1
+        if held or s.next_token < 0 or req.levels or not trees:
+            return  # a tree assumes it already (or nothing to plant: the draft's own token is the guess)
+        outcome = tuple(s.path) + (s.next_token,)
+        if len(outcome) + 1 > self._free_slots():
+            return
+        node = -1
+        for tok in outcome:
+            node = self._node(node, tok)
+        first = trees[0]
+        depth = min(first["max_depth"], max(first["max_nodes"], 1))
+        nodes = min(depth, self._free_slots())
+        trees.append(self._tree(node, s.next_token, outcome, req.position + len(outcome), nodes, depth))
+        self.outcomes.append(list(outcome))
+        self.steer_counts["planted"] += 1
 
     # -- the scratch tree ----------------------------------------------------------------------------
 
@@ -197,10 +291,17 @@ class Drafter:
         draft model together, which gives the next level's distributions. A chain
         is the case ``top_k == 1``.
         """
+        if req.extend:
+            self._use_threads(req.threads or self.threads)
+            return self._extend(req)
+        t0 = self._begin(req)
+        return self._grow(req, t0)
+
+    def _begin(self, req: DraftRequest) -> float:
+        """Sync the committed tokens, assume the hypotheses' outcomes and plant one tree per
+        hypothesis (or one below the root). Returns when the drafting proper began."""
         t0 = time.perf_counter()
         self._use_threads(req.threads or self.threads)
-        if req.extend:
-            return self._extend(req)
         self.growing = None
         committed = list(req.committed)
         if req.reset:
@@ -225,7 +326,7 @@ class Drafter:
             growths, assumed = [(-1, req.max_nodes, req.max_depth)], [()]
         self.outcomes = [list(a) for a in assumed]
         self.growing = self._plant(growths, assumed, req)
-        return self._grow(req, t0)
+        return t0
 
     def _extend(self, req: DraftRequest) -> list[DraftExpansion]:
         """Grow the trees of the last request further: the pass they were drafted beside is still running."""
@@ -242,17 +343,37 @@ class Drafter:
         for (root, max_nodes, max_depth), outcome in zip(growths, assumed):
             max_nodes = min(max_nodes, max(free, 0))  # a tree needs scratch slots for the nodes it feeds
             free -= max_nodes
-            trees.append({"root": root, "root_token": req.root_token if root < 0 else self.tree.tok[root],
-                          "assumed": outcome, "position": req.position + len(outcome),
-                          "max_nodes": max_nodes, "max_depth": max_depth, "depth": 0, "parents": [], "tokens": [],
-                          "probs": [], "path_p": [], "scratch": [], "dists": {}, "alts": {}, "frontier": [-1],
-                          "active": max_nodes > 0 and max_depth > 0})
+            trees.append(self._tree(root, req.root_token if root < 0 else self.tree.tok[root], outcome,
+                                    req.position + len(outcome), max_nodes, max_depth))
         return {"trees": trees, "params": SamplingParams(req.temperature, req.top_p, req.seed), "top_k": req.top_k,
                 "min_path_p": req.min_path_p, "step": req.step, "draft_s": 0.0}
+
+    @staticmethod
+    def _tree(root: int, root_token: int, assumed: tuple, position: int, max_nodes: int, max_depth: int) -> dict:
+        """The growth state of one tree below scratch node ``root`` (-1: the committed root)."""
+        return {"root": root, "root_token": root_token, "assumed": assumed, "position": position,
+                "max_nodes": max_nodes, "max_depth": max_depth, "depth": 0, "parents": [], "tokens": [],
+                "probs": [], "path_p": [], "scratch": [], "dists": {}, "alts": {}, "frontier": [-1],
+                "active": max_nodes > 0 and max_depth > 0}
 
     def _grow(self, req: DraftRequest, t0: float) -> list[DraftExpansion]:
         """Grow every tree still growing by up to ``req.levels`` levels (0: until each is done), all
         in the same draft calls, and answer with each tree so far."""
+        self._grow_levels(req.levels, t0)
+        return self._answer(req)
+
+    def _unfed(self, node: int) -> list[int]:
+        """``node`` and its ancestors whose rows were never fed (a planted tree's assumed path)."""
+        out = []
+        while node >= 0 and self.tree.hid[node] is None:
+            out.append(node)
+            node = self.tree.par[node]
+        return out
+
+    def _grow_levels(self, levels: int, t0: float | None = None) -> None:
+        """Grow every tree still growing by up to ``levels`` levels (0: until each is done), all in the
+        same draft calls (one per level); ``t0``: when this drafting began (default now)."""
+        t0 = time.perf_counter() if t0 is None else t0
         g = self.growing
         trees, params = g["trees"], g["params"]
 
@@ -260,10 +381,11 @@ class Drafter:
             hid = self.tree.hid
             return (self.root_hidden if t["root"] < 0 else hid[t["root"]]) if node < 0 else hid[t["scratch"][node]]
 
-        levels = 0
-        while any(t["active"] for t in trees) and (req.levels == 0 or levels < req.levels):
+        done = 0
+        while any(t["active"] for t in trees) and (levels == 0 or done < levels):
             active = [(h, t) for h, t in enumerate(trees) if t["active"]]
-            self._feed_nodes([t["scratch"][n] for _, t in active for n in t["frontier"] if n >= 0])
+            self._feed_nodes([t["scratch"][n] for _, t in active for n in t["frontier"] if n >= 0]
+                             + [n for _, t in active if t["depth"] == 0 for n in self._unfed(t["root"])])
             logits = self.head.logits(np.stack([row_of(t, n) for _, t in active for n in t["frontier"]]))
             r = 0
             for h, t in active:
@@ -295,13 +417,18 @@ class Drafter:
                     level.append(len(t["tokens"]) - 1)
                 t["depth"] += 1
                 t["frontier"] = level
-                if (not level or len(t["tokens"]) >= t["max_nodes"] or t["depth"] == t["max_depth"]
-                        or max(t["path_p"][n] for n in level) < g["min_path_p"]):
+                if (not level or len(t["tokens"]) >= t["max_nodes"] or t["depth"] >= t["max_depth"]
+                        or max(t["path_p"][n] for n in level) < max(g["min_path_p"], t.get("min_path_p", 0.0))):
                     t["active"] = False  # full, or (adaptive depth) the next level would not pay for itself
-            levels += 1
+            done += 1
         end = time.perf_counter()
         g["draft_s"] += end - t0
         self.tracer.add(f"draft {sum(len(t['tokens']) for t in trees)}", "cpu", t0, end)
+
+    def _answer(self, req: DraftRequest) -> list[DraftExpansion]:
+        """One DraftExpansion per tree of the request, as grown so far."""
+        g = self.growing
+        trees = g["trees"]
         out = []
         for h, t in enumerate(trees):
             rows = self._rows(t)

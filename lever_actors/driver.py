@@ -27,7 +27,7 @@ from lever_actors.ngram import merge_branch, prompt_lookup
 from lever_actors.planner import NGRAM_PRIOR, LeverPolicy, bucket_for
 from lever_actors.sampling import SamplingParams
 from lever_actors.speculation import CrossStep, outcome_hypotheses
-from protocols import Abort, DraftRequest, VerifyPlan
+from protocols import Abort, DraftRequest, DraftSteer, VerifyPlan
 
 TREE_TOP_K = 3  # children scored per node by the tree modes
 TREE_WIDTH = 4  # nodes per tree level: with this pair's sharp draft, budget is best spent on depth
@@ -67,6 +67,7 @@ class RunStats:
     spec_hits: int = 0
     spec_misses: int = 0
     spec_early_hits: int = 0  # ... of the hits, those on an early stop (multi-outcome), not the main path
+    spec_predicted_hits: int = 0  # ... those on a tree planted for the exit layer's predicted outcome
     ngram_offered: int = 0  # free prompt-lookup nodes offered to the planner (not drafted already)
     ngram_n: int = 0  # ... verified
     ngram_accepted: int = 0  # ... and accepted
@@ -88,7 +89,7 @@ class RunStats:
             "flash_bytes_read": self.flash_bytes, "flash_bytes_per_token": self.flash_bytes / max(self.committed, 1),
             "io_s": io_busy_s, "io_wait_s": self.io_wait_s, "compute_s": self.compute_s, "draft_s": self.draft_s,
             "draft_hidden_s": self.draft_hidden_s, "spec_hits": self.spec_hits, "spec_misses": self.spec_misses,
-            "spec_early_hits": self.spec_early_hits,
+            "spec_early_hits": self.spec_early_hits, "spec_predicted_hits": self.spec_predicted_hits,
             "spec_hit_rate": self.spec_hits / (self.spec_hits + self.spec_misses)
             if self.spec_hits + self.spec_misses else None,
             "ngram_offered": self.ngram_offered, "ngram_n": self.ngram_n, "ngram_accepted": self.ngram_accepted,
@@ -236,6 +237,9 @@ class Pipeline:
         self.prune_exits: tuple[int, ...] = ()  # exit layers of lever passes (set when a pruner runs)
         self.prune_threshold: float | None = None
         self.prune_note = "off"
+        self.predict_exit: int | None = None  # exit layer of lever's outcome prediction (pruner steers the drafter)
+        self.pruner = None
+        self.steer_send = None  # to the drafter: the commit cut (set when the drafter reads steers)
         self.vocab_note = "no draft"
         self.verdicts: list | None = None  # calibration: (session, step, parents, accepted nodes) per pass
 
@@ -276,6 +280,9 @@ class Pipeline:
         g.reuse = cache_prompt
         io_before, t_io0, t_start = self.prefetcher.bytes_read, self.tracer.busy("flash"), self.tracer.now_s()
         check0 = self.prefetcher.check_s
+        steer0 = dict(self.drafter.steer_counts) if self.drafter is not None else {}
+        if self.pruner is not None:
+            steer0["predicted"] = self.pruner.predictions
         t_prefill = time.perf_counter()
         commit = await self._prefill(g)
         t_decode = time.perf_counter()
@@ -287,7 +294,7 @@ class Pipeline:
                 break
             if g.prefill_draft:
                 g.prefill_draft = False
-                exps = [await self._receive_draft(g) for _ in range(max(g.spec.in_flight, 1))]
+                exps = await self._receive_drafts(g, max(g.spec.in_flight, 1))
                 if self._planning(g) and g.spec.in_flight and len(exps[0].tokens):  # the pace's first level time
                     self.lever.pace.observe_draft(exps[0].draft_s, max(expansion_depth(e) for e in exps) + 2, hidden=True)
                 self._settle_assumption(g, commit, exps)
@@ -302,7 +309,11 @@ class Pipeline:
             self._observe(g, tree, commit, ps, time.perf_counter() - t_pass)
             await self._settle(g, commit)
             g.stats.pass_s += time.perf_counter() - t_pass
-        return self._finish(g, finish, io_before, t_io0, t_start, t_decode, check0)
+        out = self._finish(g, finish, io_before, t_io0, t_start, t_decode, check0)
+        for k, v0 in steer0.items():  # the exit layer's outcome predictions and the trees planted for them
+            now = self.pruner.predictions if k == "predicted" else self.drafter.steer_counts[k]
+            out[2][f"exit_{k}"] = now - v0
+        return out
 
     def _begin(self, prompt_ids, max_tokens, params) -> Generation:
         cfg = self.cfg
@@ -414,14 +425,16 @@ class Pipeline:
 
     def _verify_plan(self, g: Generation, tree: Tree) -> VerifyPlan:
         tokens = np.asarray([g.root] + tree.drafted, np.int32)
-        pruning = bool(self.prune_exits) and self.cfg.mode == "lever" and g.params.greedy \
+        exits = tuple(sorted(set(self.prune_exits) | ({self.predict_exit} if self.predict_exit is not None else set())))
+        scoring = bool(exits) and self.cfg.mode == "lever" and g.params.greedy \
             and tree.alts is not None and len(tree.drafted) > 0
+        pruning = scoring and bool(self.prune_exits)
         return VerifyPlan(
             session_id=g.sid, step=g.step, epoch=0, position=g.position, tokens=tokens,
             parents=np.asarray(tree.parents, np.int32), depths=tree.depths(),
             bucket=bucket_for(len(tokens), self.cfg.buckets), prev_accepted=g.prev_accepted,
             want_logits=not g.params.greedy, draft_dists=tree.dists,
-            exit_layers=self.prune_exits if pruning else (), alternatives=tree.alts if pruning else None,
+            exit_layers=exits if scoring else (), alternatives=tree.alts if scoring else None,
             prune_threshold=self.prune_threshold if pruning else None, **g.sampling)
 
     def _until_commit(self, g: Generation) -> bool:
@@ -551,16 +564,41 @@ class Pipeline:
             exps, g.ahead = g.ahead, None
         else:
             waited = g.stats.draft_wait_s
-            exps = [await self._receive_draft(g) for _ in range(g.spec.in_flight)]
+            if g.spec.in_flight:
+                self._cut(g, commit)
+            exps = await self._receive_drafts(g, g.spec.in_flight)
             g.stats.draft_overrun_s += g.stats.draft_wait_s - waited
             if exps:  # it also fed the assumed paths and their roots: two calls
                 self.lever.pace.observe_draft(exps[0].draft_s, max(expansion_depth(e) for e in exps) + 2, hidden=True)
         self._settle_assumption(g, commit, exps)
 
+    def _cut(self, g: Generation, commit) -> None:
+        """The commit cut: the trees drafted ahead for other outcomes stop growing, and the tree of the
+        outcome that held grows only as deep as a draft the pass waits for may (it now is one)."""
+        if self.steer_send is None or not (self._planning(g) and self.cfg.commit_cut):
+            return
+        limits = self._draft_limits(g, hidden=False)
+        try:
+            self.steer_send.send_nowait(DraftSteer(
+                session_id=g.sid, step=g.step, epoch=0, path=tuple(int(t) for t in commit.tokens[:-1]),
+                next_token=int(commit.tokens[-1]), final=True, max_depth=limits["max_depth"],
+                min_path_p=float(limits.get("min_path_p", 0.0))))
+        except trio.WouldBlock:  # advice: the drafter has not read the last ones yet
+            pass
+
+    async def _receive_drafts(self, g: Generation, n: int) -> list:
+        """The answers to a cross-step request of ``n`` hypotheses (more when the drafter planted a
+        tree for a predicted outcome: every answer says how many trees it belongs to)."""
+        exps = []
+        while len(exps) < (exps[0].of if exps else n):
+            exps.append(await self._receive_draft(g))
+        return exps
+
     def _settle_assumption(self, g: Generation, commit, exps: list) -> None:
         g.root = int(commit.tokens[-1])
         g.spec.settle(list(commit.tokens), exps)
         g.stats.spec_hits, g.stats.spec_misses, g.stats.spec_early_hits = g.spec.hits, g.spec.misses, g.spec.early_hits
+        g.stats.spec_predicted_hits = g.spec.predicted_hits
 
     def _finish(self, g: Generation, finish: str, io_before: int, t_io0: float, t_start: float,
                 t_decode: float, check0: float) -> tuple[list[int], str, dict]:

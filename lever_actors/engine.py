@@ -60,7 +60,7 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # opt-ins that did not pay (README): lever's waited-for drafts also on the verification lane's idle
 # threads, and lever drafting ahead until the pass commits
 MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
-              "no-multi-outcome", "draft-until-commit", "core-borrow")
+              "no-multi-outcome", "no-commit-cut", "exit-predict", "draft-until-commit", "core-borrow")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -120,6 +120,8 @@ class EngineConfig:
     multi_outcome: bool = True  # lever: cross-step drafting also for the likeliest early stops, not only the main path
     prompt_cache: int | None = None  # bytes kept for earlier sequences' KV rows (None: what the budget leaves over)
     draft_until_commit: bool = False  # lever: the trees drafted ahead grow until the pass commits, not to a depth cap
+    commit_cut: bool = True  # lever: at the commit, trees drafted ahead for other outcomes stop growing
+    exit_predict: bool = False  # lever: the early-exit layer's predicted outcome steers the drafts ahead (no gain)
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
@@ -136,6 +138,8 @@ class EngineConfig:
                        adaptive_depth=self.adaptive_depth and "no-adaptive-depth" not in flags,
                        ngram=self.ngram and "no-ngram" not in flags,
                        multi_outcome=self.multi_outcome and "no-multi-outcome" not in flags,
+                       commit_cut=self.commit_cut and "no-commit-cut" not in flags,
+                       exit_predict=self.exit_predict or "exit-predict" in flags,
                        draft_until_commit=self.draft_until_commit or "draft-until-commit" in flags,
                        core_borrow=self.core_borrow or "core-borrow" in flags, dram_budget=budget,
                        budget_source=source)
@@ -166,6 +170,7 @@ class EngineConfig:
             adaptive_depth=not getattr(args, "no_adaptive_depth", False), ngram=not getattr(args, "no_ngram", False),
             core_borrow=getattr(args, "core_borrow", False), multi_outcome=not getattr(args, "no_multi_outcome", False),
             draft_until_commit=getattr(args, "draft_until_commit", False),
+            commit_cut=not getattr(args, "no_commit_cut", False), exit_predict=getattr(args, "exit_predict", False),
             prompt_cache=_prompt_cache(getattr(args, "prompt_cache", None)),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
@@ -185,6 +190,10 @@ class EngineConfig:
             text += "+no-ngram"
         if self.mode == "lever" and self.overlap and not self.multi_outcome:
             text += "+no-multi-outcome"
+        if self.mode == "lever" and self.overlap and not self.commit_cut:
+            text += "+no-commit-cut"
+        if self.mode == "lever" and self.overlap and self.exit_predict:
+            text += "+exit-predict"
         if self.mode == "lever" and self.overlap and self.draft_until_commit:
             text += "+draft-until-commit"
         if self.mode == "lever" and self.core_borrow:

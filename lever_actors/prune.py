@@ -60,6 +60,41 @@ def lens_margins(hidden: np.ndarray, rows_of: dict[int, int], parents: np.ndarra
     return margins
 
 
+def predict_outcome(hidden: np.ndarray, rows_of: dict[int, int], parents: np.ndarray, tokens: np.ndarray,
+                    alternatives: np.ndarray, head_rows, norm_w: np.ndarray, eps: float,
+                    alive: np.ndarray) -> tuple[tuple[int, ...], int]:
+    """The outcome of a pass as the logit lens at an exit layer sees it: (accepted path, next token).
+
+    From the root, each step takes the lens's best token after the current node among the
+    tree's (alive) children there and the draft's ``alternatives`` after it; a child's token
+    extends the path, any other token is the target's predicted next token and ends the walk.
+    At a node the draft never expanded (its alternatives list only its own token) the next
+    token is not predicted (-1). Greedy acceptance walks the same way with the final layer's
+    argmax over the whole vocabulary, so the lens predicts the commit exactly when, along this
+    path, its ranking of these few tokens agrees with the target's.
+    """
+    kids: dict[int, dict[int, int]] = {}
+    for v in range(1, len(parents)):
+        if alive[v] and alive[parents[v]]:
+            kids.setdefault(int(parents[v]), {})[int(tokens[v])] = v
+    path: list[int] = []
+    node = 0
+    while True:
+        children = kids.get(node, {})
+        alts = [int(t) for t in alternatives[node]]
+        expanded = any(t != int(tokens[node]) for t in alts)
+        cands = list(dict.fromkeys(list(children) + (alts if expanded else [])))
+        if node not in rows_of or not cands or (not expanded and not children):
+            return tuple(path), -1
+        h = hidden[rows_of[node]].astype(np.float64)
+        z = h / np.sqrt(np.mean(h * h) + eps) * norm_w.astype(np.float64)
+        best = cands[int(np.argmax(head_rows(cands).astype(np.float64) @ z))]
+        if best not in children:
+            return tuple(path), best if expanded else -1
+        path.append(best)
+        node = children[best]
+
+
 def prune_mask(parents: np.ndarray, alive: np.ndarray, margins: dict[int, float], threshold: float | None) -> np.ndarray:
     """Which nodes survive: ancestor-closed, root kept, a margin below ``threshold`` drops a subtree.
 

@@ -84,6 +84,7 @@ class CrossStep:
     hits: int = 0
     misses: int = 0
     early_hits: int = 0  # hits on an early stop, not the main path accepted whole (multi-outcome)
+    predicted_hits: int = 0  # hits on a tree the drafter planted for the exit layer's predicted outcome
 
     def settle_fields(self) -> dict:
         """``committed`` for the next DraftRequest; the drafter is then up to date."""
@@ -109,7 +110,8 @@ class CrossStep:
         if hit is not None:
             self.ready = hit
             self.hits += 1
-            self.early_hits += hit.hypothesis > 0
+            self.predicted_hits += hit.hypothesis >= was  # beyond the hypotheses requested: planted
+            self.early_hits += 0 < hit.hypothesis < was
         else:
             self.misses += 1  # its drafting ran beside verification: only the guess is lost
         return hit is not None

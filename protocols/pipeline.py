@@ -236,6 +236,46 @@ class DraftRequest(PipelineMessage):
 
 @register
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DraftSteer(PipelineMessage):
+    """CpuPruner or driver -> Drafter: what pass ``step`` commits, predicted or known, while the
+    drafter still grows the trees of its cross-step request (the request of step ``step + 1``).
+
+    The drafter reads steers between draft calls, so a steer only changes what the next levels
+    draft; one that arrives after the request was answered is dropped. ``path`` is the accepted
+    path's tokens, ``next_token`` the target's token after it (-1: not predicted; the draft's
+    own best token stands in for it, as in a hypothesis).
+
+    * ``final`` False: a prediction (the early-exit layer's logit lens). A tree assuming that
+      outcome keeps growing as before; when none does, the drafter plants one for it beside them.
+    * ``final`` True: the pass has committed (``next_token`` is then known). Every tree assuming
+      another outcome stops growing; the one that assumed this outcome grows at most to
+      ``max_depth`` levels, and stops once its best path is below ``min_path_p`` (from now on
+      the next pass waits for it, so the rule for a waited-for draft applies).
+    """
+    KIND: ClassVar[str] = "draft.steer"
+    VERSION: ClassVar[int] = 1
+    path: tuple[int, ...]
+    next_token: int = -1
+    final: bool = False
+    max_depth: int = 0
+    min_path_p: float = 0.0
+
+    def outcome(self) -> tuple[int, ...] | None:
+        """The committed tokens this steer names (root last), or None when the next token is open."""
+        return None if self.next_token < 0 else tuple(self.path) + (self.next_token,)
+
+    def _check(self) -> None:
+        if any(t < 0 for t in self.path):
+            raise ValueError("DraftSteer.path must be token ids >= 0")
+        if self.final and self.next_token < 0:
+            raise ValueError("a final DraftSteer names the committed next token")
+        _non_negative(self, "max_depth")
+        if not 0.0 <= self.min_path_p <= 1.0:  # also rejects NaN
+            raise ValueError(f"DraftSteer.min_path_p must be a probability, got {self.min_path_p}")
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DraftExpansion(PipelineMessage):
     """Drafter -> TreePlanner: candidate nodes below the (implicit) root.
 

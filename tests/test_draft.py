@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
 
 from actors.draft import Drafter
 from lever_actors.bundle import load_bundle
 from lever_actors.model import Transformer
 from lever_actors.ortrt import LaneConfig
 from lever_actors.trace import Tracer
-from protocols import DraftRequest
+from protocols import DraftRequest, DraftSteer
 
 CONTEXT = 128
 PROMPT = [5, 9, 13, 2, 7, 11]
@@ -195,3 +196,119 @@ def test_trees_grown_a_level_at_a_time_are_the_trees_grown_at_once(tiny_bundles)
     assert got[0].draft_s >= 0 and steps.draft(_req(1, root_token=PROMPT[-1], position=0, extend=True, levels=1))[0].tokens.size == 6
     with pytest.raises(ValueError, match="extend"):  # nothing to grow
         _drafter(tiny_bundles[1]).draft(_req(2, root_token=PROMPT[-1], position=0, extend=True, levels=1))
+
+
+# -- steering: the commit cut and the early exit's predicted outcome ---------------------------------
+
+def _steer(step, path, next_token=-1, **kw) -> DraftSteer:
+    return DraftSteer(session_id=1, step=step, epoch=0, path=tuple(path), next_token=next_token, **kw)
+
+
+def _ahead(d: Drafter, hyps, step=1) -> DraftRequest:
+    """Start drafting ahead (one level drawn) beside pass ``step - 1``; the request."""
+    req = _req(step, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=hyps)
+    d._begin(req)
+    d._grow_levels(1)
+    return req
+
+
+def test_the_commit_cut_stops_the_other_outcomes_and_caps_the_one_that_held(tiny_bundles):
+    """At the commit every tree of an outcome that did not happen stops growing, and the held one grows
+    only to the waited-for depth; what was drafted is what an uncut drafter drafts, and the rows stay exact."""
+    bundle = tiny_bundles[1]
+    cut, whole = _drafter(bundle), _drafter(bundle)
+    (tree,) = _first(cut)
+    _first(whole)
+    chain = [int(t) for t in tree.tokens]
+    hyps = ((tuple(chain), (), 6, 6), ((), (chain[0],), 6, 6))
+    ref_main, ref_second = whole.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=hyps))
+    req = _ahead(cut, hyps)
+    held = tuple(cut.growing["trees"][0]["assumed"])
+    cut.steer(_steer(0, held[:-1], held[-1], final=True, max_depth=3), req)
+    cut._grow_levels(0)
+    main, second = cut._answer(req)
+    assert (len(ref_main.tokens), len(ref_second.tokens)) == (6, 6)
+    assert (len(main.tokens), len(second.tokens)) == (3, 1) and not main.growing and not second.growing
+    np.testing.assert_array_equal(main.tokens, ref_main.tokens[:3])
+    np.testing.assert_array_equal(second.tokens, ref_second.tokens[:1])
+    cut.draft(_req(2, root_token=held[-1], position=len(PROMPT) + len(held) - 1, committed=held))
+    _check_rows(cut, bundle, PROMPT + list(held))
+
+
+def test_a_cut_with_no_outcome_held_stops_every_tree(tiny_bundles):
+    d = _drafter(tiny_bundles[1])
+    (tree,) = _first(d)
+    chain = [int(t) for t in tree.tokens]
+    req = _ahead(d, ((tuple(chain), (), 6, 6), ((), (chain[0],), 6, 6)))
+    d.steer(_steer(0, (), (chain[0] + 1) % 50 if (chain[0] + 1) % 50 != d.growing["trees"][1]["assumed"][0]
+                   else (chain[0] + 2) % 50, final=True, max_depth=6), req)
+    assert not any(t["active"] for t in d.growing["trees"])
+    assert [len(e.tokens) for e in d._answer(req)] == [1, 1]
+
+
+def test_a_predicted_outcome_no_hypothesis_assumed_gets_a_tree_of_its_own(tiny_bundles):
+    """The exit layer predicts an outcome no hypothesis assumed: the drafter plants a tree for it in
+    the same draft calls; that tree is what a drafter that had committed the outcome drafts, and when
+    it holds the committed rows are exact."""
+    bundle = tiny_bundles[1]
+    d = _drafter(bundle)
+    (tree,) = _first(d)
+    chain = [int(t) for t in tree.tokens]
+    req = _ahead(d, ((tuple(chain), (), 4, 4),))
+    other = next(t for t in range(50) if t != chain[1])
+    outcome = (chain[0], other)
+    d.steer(_steer(0, outcome[:1], other), req)
+    d.steer(_steer(0, outcome[:1], other), req)  # said twice: still one tree
+    d._grow_levels(0)
+    main, planted = d._answer(req)
+    assert (main.of, planted.of, planted.hypothesis) == (2, 2, 1)
+    assert planted.assumed == outcome and planted.position == len(PROMPT) - 1 + len(outcome)
+    assert d.steer_counts["planted"] == 1 and len(main.tokens) == 4
+    plain = _drafter(bundle)
+    plain.draft(_req(0, root_token=other, position=len(PROMPT) + 1, committed=tuple(PROMPT) + outcome, reset=True,
+                     max_nodes=0, max_depth=0))
+    (want,) = plain.draft(_req(1, root_token=other, position=len(PROMPT) + 1))
+    np.testing.assert_array_equal(planted.tokens, want.tokens)
+    np.testing.assert_array_equal(planted.parents, want.parents)
+    (after,) = d.draft(_req(2, root_token=other, position=len(PROMPT) + 1, committed=outcome))
+    _check_rows(d, bundle, PROMPT + list(outcome))
+    np.testing.assert_array_equal(after.tokens, want.tokens)
+
+
+def test_a_prediction_a_hypothesis_assumed_plants_nothing(tiny_bundles):
+    d = _drafter(tiny_bundles[1])
+    (tree,) = _first(d)
+    chain = [int(t) for t in tree.tokens]
+    req = _ahead(d, ((tuple(chain), (), 4, 4),))
+    held = tuple(d.growing["trees"][0]["assumed"])
+    d.steer(_steer(0, held[:-1], held[-1]), req)
+    d.steer(_steer(0, held[:-1]), req)  # the next token not predicted: the draft's own guess stands
+    d.steer(_steer(0, (chain[0],)), req)  # ... and a path no tree assumes, with no token: nothing to plant
+    assert len(d.growing["trees"]) == 1 and d.steer_counts == {"applied": 3, "checked": 0, "right": 0, "planted": 0}
+
+
+def test_steers_of_earlier_passes_are_dropped_later_ones_kept_and_predictions_scored(tiny_bundles):
+    send, recv = trio.open_memory_channel(8)
+    d = Drafter(Transformer(load_bundle(tiny_bundles[1]), CONTEXT, LaneConfig()), None, None, None,
+                Tracer(enabled=False), steer_recv=recv)
+    (tree,) = _first(d)
+    chain = [int(t) for t in tree.tokens]
+    req = _ahead(d, ((tuple(chain), (), 4, 4),), step=3)  # drafted beside pass 2
+    held = tuple(d.growing["trees"][0]["assumed"])
+    send.send_nowait(_steer(1, (), 7, final=True))  # an earlier pass: dropped
+    send.send_nowait(DraftSteer(session_id=0, step=2, epoch=0, path=(), next_token=7, final=True))  # earlier session
+    send.send_nowait(_steer(2, held[:-1], held[-1]))  # this pass's prediction: right
+    send.send_nowait(_steer(5, (), 9))  # a later pass: kept for its request
+    d._take_steers(req)
+    assert d.growing["trees"][0]["active"] and [s.step for s in d.steers] == [5]
+    send.send_nowait(_steer(2, held[:-1], held[-1], final=True, max_depth=1))
+    d._take_steers(req)
+    assert not d.growing["trees"][0]["active"]  # it held, and is as deep as a waited-for draft may be
+    assert d.steer_counts == {"applied": 1, "checked": 1, "right": 1, "planted": 0}
+
+
+def test_a_final_steer_must_name_the_committed_token():
+    with pytest.raises(ValueError, match="final"):
+        _steer(0, (1, 2), final=True)
+    with pytest.raises(ValueError, match="min_path_p"):
+        _steer(0, (1,), 3, final=True, min_path_p=float("nan"))

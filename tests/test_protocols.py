@@ -28,6 +28,7 @@ from protocols import (
     Commit,
     DraftExpansion,
     DraftRequest,
+    DraftSteer,
     ExitHidden,
     FrameTooLarge,
     LayerReady,
@@ -162,6 +163,10 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
                                                              st.lists(TOKENS, max_size=3).map(tuple), U31, U31),
                                                    max_size=3).map(tuple)),
     DraftExpansion: draft_expansions(),
+    DraftSteer: st.one_of(
+        _with_header(DraftSteer, path=st.lists(TOKENS, max_size=8).map(tuple), next_token=st.integers(-1, 151_935)),
+        _with_header(DraftSteer, path=st.lists(TOKENS, max_size=8).map(tuple), next_token=TOKENS, final=st.just(True),
+                     max_depth=st.integers(0, 64), min_path_p=st.floats(0, 1))),
     VerifyPlan: verify_plans(),
     ExitHidden: _with_header(ExitHidden, layer=U31, node_ids=node_ids(), handle=U31),
     PruneMask: _with_header(PruneMask, layer=U31,

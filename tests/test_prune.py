@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from lever_actors.engine import EngineConfig
 from lever_actors.errors import ConfigError
-from lever_actors.prune import HeadRows, directly_pruned, lens_margins, misses, prune_mask
+from lever_actors.prune import HeadRows, directly_pruned, lens_margins, misses, predict_outcome, prune_mask
+from lever_actors.sampling import accept_greedy
 from test_runtime import CONTEXT, PROMPT, generate, tokenizer
 
 
@@ -129,6 +130,60 @@ def test_lens_margins_match_a_float64_reference(tiny_bundles):
             rows([vocab])
     finally:
         rows.close()
+
+
+@st.composite
+def lens_trees(draw):
+    """A drafted tree (unique tokens per parent), the draft's top tokens after each node (a leaf
+    never expanded lists only its own token), exit hidden rows and LM-head rows."""
+    n = draw(st.integers(1, 10))
+    vocab, width = 12, 6
+    parents = np.array([-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)], np.int64)
+    tokens = np.zeros(n, np.int32)
+    tokens[0] = draw(st.integers(0, vocab - 1))
+    used: dict[int, set] = {}
+    for i in range(1, n):
+        free = sorted(set(range(vocab)) - used.setdefault(int(parents[i]), set()))
+        tokens[i] = draw(st.sampled_from(free))
+        used[int(parents[i])].add(int(tokens[i]))
+    alts = np.zeros((n, 3), np.int32)
+    for i in range(n):
+        expanded = i in used or draw(st.booleans())
+        alts[i] = draw(st.lists(st.integers(0, vocab - 1), min_size=3, max_size=3, unique=True)) if expanded \
+            else tokens[i]
+    seed = draw(st.integers(0, 2**16))
+    return parents, tokens, alts, seed, vocab, width
+
+
+@settings(max_examples=200, deadline=None)
+@given(lens_trees())
+def test_the_predicted_outcome_is_greedy_acceptance_under_the_lens(tree):
+    """The prediction walks the tree as greedy acceptance would if the target's choice after each node
+    were the lens's best token among that node's candidates (its children and the draft's top tokens):
+    checked against ``accept_greedy``, the acceptor's own rule."""
+    parents, tokens, alts, seed, vocab, width = tree
+    rng = np.random.default_rng(seed)
+    n = len(parents)
+    hidden = rng.normal(size=(n, width)).astype(np.float32)
+    head = rng.normal(size=(vocab, width)).astype(np.float32)
+    norm_w = rng.uniform(0.5, 1.5, width).astype(np.float32)
+    path, nxt = predict_outcome(hidden, {i: i for i in range(n)}, parents, tokens, alts, lambda ids: head[list(ids)],
+                                norm_w, 1e-6, np.ones(n, bool))
+    z = hidden.astype(np.float64)
+    z = z / np.sqrt(np.mean(z * z, axis=-1, keepdims=True) + 1e-6) * norm_w
+    lens = z @ head.astype(np.float64).T
+    argmax = np.full(n, -1)
+    for i in range(n):
+        kids = [int(tokens[c]) for c in range(1, n) if parents[c] == i]
+        expanded = any(int(t) != int(tokens[i]) for t in alts[i])
+        cands = kids + ([int(t) for t in alts[i]] if expanded else [])
+        if cands:
+            argmax[i] = max(cands, key=lambda t: lens[i, t])
+    accepted, committed = accept_greedy(parents, tokens, argmax)
+    assert path == tuple(committed[:-1])
+    end = accepted[-1]
+    expanded = any(int(t) != int(tokens[end]) for t in alts[end])
+    assert nxt == (committed[-1] if expanded else -1)
 
 
 def test_head_rows_need_a_native_head(tiny_ort_draft):

@@ -107,6 +107,57 @@ def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundl
     assert runs[True]["spec_hits"] > runs[False]["spec_hits"]
 
 
+@pytest.mark.parametrize("draft_kind", ["perturbed", "unrelated"])
+def test_steered_drafting_changes_no_token(tiny_bundles, unrelated_draft, ar_tokens, draft_kind, monkeypatch):
+    """lever's drafter reads steers between its draft calls: the commit cut (on by default) and, with
+    +exit-predict, the outcome a logit lens predicts at the early exit. Whatever they say, and with
+    either off, the output is the target's; predictions are made and scored against the commits."""
+    from actors.draft import Drafter
+
+    grow = Drafter._grow_levels
+
+    def slow(self, levels, t0=None):  # a level as slow as the real draft's against its pass, so steers arrive in time
+        time.sleep(0.01)
+        return grow(self, levels, t0)
+
+    monkeypatch.setattr(Drafter, "_grow_levels", slow)
+    target = tiny_bundles[0]
+    draft = {"perturbed": tiny_bundles[1], "unrelated": unrelated_draft}[draft_kind]
+    ids = tokenizer(target).encode(PROMPT)
+    runs = {}
+    for mode in ("lever:16", "lever:16+exit-predict", "lever:16+no-commit-cut", "lever:16+no-commit-cut+exit-predict"):
+        # every layer streamed (the multi-outcome test says why)
+        cfg = EngineConfig(context=CONTEXT, dram_budget=_min_budget(target, draft, mode),
+                           flash_bandwidth=20e6).with_mode(mode)
+        assert cfg.mode_string() == mode
+        toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
+        assert toks == ar_tokens, mode
+        runs[mode] = stats
+        predicting = "exit-predict" in mode
+        assert (pipe.predict_exit is not None) == predicting and pipe.prune_exits == ()
+        assert (stats.get("exit_predicted", 0) > 0) == predicting
+        assert 0 <= stats["exit_right"] <= stats["exit_checked"] <= stats.get("exit_predicted", 0)
+        assert stats["exit_applied"] <= stats.get("exit_predicted", 0)
+        assert stats["spec_predicted_hits"] <= stats["exit_planted"]
+    assert runs["lever:16+exit-predict"]["exit_checked"] > 0  # scored against the commit the cut names
+    # (whether a prediction still finds its request drafting is timing: the drafter's tests plant trees)
+
+
+def test_sampled_lever_is_never_steered(tiny_bundles):
+    """Steers make tree shapes depend on timing, so a seeded sampled run would not repeat: sampled lever
+    sends none, with prediction asked for or not, and draws the same output either way."""
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
+    out = []
+    for mode in ("lever:16", "lever:16+exit-predict"):
+        cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode(mode)
+        toks, stats, _ = trio.run(generate, cfg, target, draft, ids, params)
+        assert stats.get("exit_predicted", 0) == 0 and stats["exit_applied"] == 0
+        out.append(toks)
+    assert out[0] == out[1]
+
+
 def test_drafting_until_the_commit_drops_late_answers_and_changes_no_token(tiny_bundles, ar_tokens, monkeypatch):
     """+draft-until-commit: the trees drafted ahead grow a level per request while the pass runs; answers
     still being drafted at the commit are dropped, the draft's rows stay exact, the output is the same."""
@@ -156,9 +207,9 @@ def test_drafting_until_the_commit_drops_late_answers_and_changes_no_token(tiny_
     np.testing.assert_array_equal(d.m.kv.k[:, :, :n], ref.kv.k[:, :, :n])
 
 
-def _min_budget(target, draft=None) -> int:
+def _min_budget(target, draft=None, mode: str = "flash-ar") -> int:
     """The smallest budget the planner accepts (found from its own refusal message)."""
-    cfg = EngineConfig(mode="flash-ar", context=CONTEXT, dram_budget=1)
+    cfg = EngineConfig(context=CONTEXT, dram_budget=1).with_mode(mode)
     try:
         trio.run(generate, cfg, target, draft, [1, 2, 3])
     except BudgetError as e:
