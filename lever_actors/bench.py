@@ -82,8 +82,16 @@ def summarize(rows: list[dict]) -> dict:
         "spec_misses": sum(r["stats"].get("spec_misses", 0) for r in rows),
         # ... of the hits, those on an early stop of the tree rather than its main path (multi-outcome)
         "spec_early_hits": sum(r["stats"].get("spec_early_hits", 0) for r in rows),
+        # ... those on a tree planted for the outcome the early exit predicted (+exit-predict)
+        "spec_predicted_hits": sum(r["stats"].get("spec_predicted_hits", 0) for r in rows),
+        # +exit-predict: outcomes predicted at the early exit, scored against their commits, right
+        # (the whole accepted path and the next token), and trees planted for them
+        **{f"exit_{k}": sum(r["stats"].get(f"exit_{k}", 0) for r in rows)
+           for k in ("predicted", "applied", "checked", "right", "planted")},
+        # waiting for drafting beside a pass that had committed already (what the commit cut shortens)
+        "draft_overrun_s_per_pass": sum(r["stats"].get("draft_overrun_s", 0) for r in rows) / max(passes, 1),
         "draft_hidden_s_per_pass": sum(r["stats"].get("draft_hidden_s", 0) for r in rows) / max(passes, 1),
-        # checking the streamed bytes: a region's SHA-256 on its first read in the process, then a
+        # checking the streamed bytes: a region's XXH3-128 on its first read in the process, then a
         # CRC32 of three pages per read (part of the read time, off the compute lane)
         "integrity_s_per_pass": sum(r["stats"].get("integrity_s", 0) for r in rows) / max(passes, 1),
         "mean_tree_nodes": _median([r["stats"]["mean_tree_nodes"] for r in rows
@@ -314,7 +322,7 @@ def print_table(results: dict, modes: list[str]) -> None:
               if (r := results["modes"].get(m)) and r.get("integrity_s_per_pass") and r.get("io_s_per_pass")}
     if checks:
         worst = max(checks, key=checks.get)
-        print(f"integrity checks of the streamed bytes (SHA-256 of each region on its first read in the process, "
+        print(f"integrity checks of the streamed bytes (XXH3-128 of each region on its first read in the process, "
               f"then CRC32 of 3 pages per read): at most {100 * checks[worst]:.1f}% of read time ({worst}), "
               f"{1e3 * results['modes'][worst]['integrity_s_per_pass']:.1f} ms per pass")
     cols = ("mode", "tok/s", "ms/tok", "floor", "acc/pass", "MB/tok", "io s/pass", "cmp s/pass", "wait/pass",

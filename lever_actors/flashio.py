@@ -18,8 +18,24 @@ READ_RETRIES = 3  # a failed read is tried this many more times before it fails 
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """Anonymous mapping: page aligned, as O_DIRECT requires."""
-    return mmap.mmap(-1, max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE))
+    """Private anonymous mapping: page aligned, as O_DIRECT requires, and backed by transparent huge
+    pages where the kernel gives them (``MADV_HUGEPAGE``; a shared mapping never gets them).
+
+    Why huge pages: an O_DIRECT read goes to the device as requests of at most a few hundred
+    physically contiguous KiB, so how fast a buffer fills depends on how scattered its 4 KiB pages
+    are. Measured here, 28 MiB reads into eight 4 KiB-page buffers of one process ran at 1.0 to
+    2.5 GB/s, each buffer at its own rate every time (the first ones, in recycled memory, slowest);
+    into huge-page buffers at 3.0-3.4 GB/s. The kernels that read weights from the buffer also
+    take fewer TLB misses.
+    """
+    size = max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: 4 KiB pages, still correct
+            pass
+    return buf
 
 
 class FlashFile:
