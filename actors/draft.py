@@ -159,14 +159,16 @@ class Drafter:
         if held or s.next_token < 0 or req.levels or not trees:
             return  # a tree assumes it already (or nothing to plant: the draft's own token is the guess)
         outcome = tuple(s.path) + (s.next_token,)
-        if len(outcome) + 1 > self._free_slots():
-            return
+        first = trees[0]
+        depth = min(first["max_depth"], first["max_nodes"])
+        # the slots the growing trees may still take stay theirs (a planted tree must never starve them)
+        room = self._free_slots() - sum(t["max_nodes"] - len(t["tokens"]) for t in trees if t["active"])
+        nodes = min(depth, room - len(outcome))
+        if nodes <= 0:
+            return  # no room, or the hypotheses themselves drafted nothing: nothing to plant beside them
         node = -1
         for tok in outcome:
             node = self._node(node, tok)
-        first = trees[0]
-        depth = min(first["max_depth"], max(first["max_nodes"], 1))
-        nodes = min(depth, self._free_slots())
         trees.append(self._tree(node, s.next_token, outcome, req.position + len(outcome), nodes, depth))
         self.outcomes.append(list(outcome))
         self.steer_counts["planted"] += 1

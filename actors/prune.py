@@ -35,7 +35,7 @@ class CpuPruner:
         self.scored = 0
         self.pruned = 0
         self.steer_send, self.predict_layer = steer_send, predict_layer
-        self.prune_layers = prune_layers  # where the threshold applies (None: every exit)
+        self.prune_layers = prune_layers  # where the threshold applies (None: every exit; not the prediction's)
         self.predictions = 0
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

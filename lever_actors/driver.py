@@ -583,8 +583,8 @@ class Pipeline:
                 session_id=g.sid, step=g.step, epoch=0, path=tuple(int(t) for t in commit.tokens[:-1]),
                 next_token=int(commit.tokens[-1]), final=True, max_depth=limits["max_depth"],
                 min_path_p=float(limits.get("min_path_p", 0.0))))
-        except trio.WouldBlock:  # advice: the drafter has not read the last ones yet
-            pass
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # advice: the drafter has not read the last ones yet (or is gone)
 
     async def _receive_drafts(self, g: Generation, n: int) -> list:
         """The answers to a cross-step request of ``n`` hypotheses (more when the drafter planted a

@@ -292,7 +292,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
             pruner = CpuPruner(head_rows, target.eps, exits_recv, masks_send, hidden, lanes, tracer, prune_record,
                                steer_send=steer_send.clone() if predicting else None,
                                predict_layer=predict_layer if predicting else None,
-                               prune_layers=exits if prune_exits is None else None)
+                               prune_layers=exits)
         verifier = NpuVerifier(target, [s.stage for s in stages], target.resident, target.head_sessions,
                                plan_recv, done_send, ready_recv, rel_send, pool, lanes, tracer, abort_recv,
                                buckets=cfg.buckets, prefix_store=PrefixStore(store_bytes["target"]),

@@ -287,6 +287,26 @@ def test_a_prediction_a_hypothesis_assumed_plants_nothing(tiny_bundles):
     assert len(d.growing["trees"]) == 1 and d.steer_counts == {"applied": 3, "checked": 0, "right": 0, "planted": 0}
 
 
+def test_a_planted_tree_never_takes_the_slots_the_hypotheses_still_need(tiny_bundles):
+    """Near the end of the context a predicted outcome gets a tree only from slots no growing tree
+    may still take (else a hypothesis would run out of KV slots mid-draft and stop the drafter)."""
+    d = _drafter(tiny_bundles[1])
+    long = (PROMPT * 40)[:CONTEXT - 12]
+    d.draft(_req(0, root_token=long[-1], position=len(long) - 1, committed=tuple(long), reset=True, max_nodes=0,
+                 max_depth=0))
+    req = _req(1, root_token=long[-1], position=len(long) - 1, hypotheses=(((), (), 6, 6),))
+    d._begin(req)
+    d._grow_levels(1)
+    assumed = d.growing["trees"][0]["assumed"]
+    d.steer(_steer(0, (), (assumed[0] + 1) % 50), req)  # no room beside the hypothesis's 5 more nodes
+    d.steer(_steer(0, (1, 2, 3), 4), req)
+    d._grow_levels(0)
+    out = d._answer(req)
+    assert d._free_slots() >= 0
+    assert len(out[0].tokens) == 6 and all(len(e.tokens) <= 6 for e in out)
+    assert sum(len(e.tokens) + len(e.assumed) for e in out) + d.m.kv.length <= CONTEXT
+
+
 def test_steers_of_earlier_passes_are_dropped_later_ones_kept_and_predictions_scored(tiny_bundles):
     send, recv = trio.open_memory_channel(8)
     d = Drafter(Transformer(load_bundle(tiny_bundles[1]), CONTEXT, LaneConfig()), None, None, None,

@@ -143,9 +143,21 @@ def test_steered_drafting_changes_no_token(tiny_bundles, unrelated_draft, ar_tok
     # (whether a prediction still finds its request drafting is timing: the drafter's tests plant trees)
 
 
-def test_sampled_lever_is_never_steered(tiny_bundles):
+def test_sampled_lever_is_never_steered(tiny_bundles, monkeypatch):
     """Steers make tree shapes depend on timing, so a seeded sampled run would not repeat: sampled lever
-    sends none, with prediction asked for or not, and draws the same output either way."""
+    sends none (no prediction, no commit cut), and draws the same output either way."""
+    import actors.prune
+    import lever_actors.driver
+    from protocols import DraftSteer
+
+    sent = []  # every steer the driver (the cut) or the pruner (a prediction) makes
+
+    def recording(**kw):
+        sent.append(DraftSteer(**kw))
+        return sent[-1]
+
+    monkeypatch.setattr(lever_actors.driver, "DraftSteer", recording)
+    monkeypatch.setattr(actors.prune, "DraftSteer", recording)
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
@@ -155,7 +167,10 @@ def test_sampled_lever_is_never_steered(tiny_bundles):
         toks, stats, _ = trio.run(generate, cfg, target, draft, ids, params)
         assert stats.get("exit_predicted", 0) == 0 and stats["exit_applied"] == 0
         out.append(toks)
-    assert out[0] == out[1]
+    assert out[0] == out[1] and sent == []
+    cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode("lever:16+exit-predict")  # greedy: both sent
+    trio.run(generate, cfg, target, draft, tokenizer(target).encode(PROMPT))
+    assert any(s.final for s in sent) and any(not s.final for s in sent)
 
 
 def test_drafting_until_the_commit_drops_late_answers_and_changes_no_token(tiny_bundles, ar_tokens, monkeypatch):
