@@ -114,21 +114,19 @@ class Drafter:
                 self.steers.append(self.steer_recv.receive_nowait())
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
-        pass_step, now, later = req.step - 1, [], []
-        for s in self.steers:  # score each prediction against its commit, even one that came too late to steer
+        this, now, later = (req.session_id, req.step - 1), [], []
+        for s in self.steers:
             key = (s.session_id, s.step)
-            if not s.final:
+            if not s.final:  # score each prediction against its commit, even one that came too late to steer
                 self._predictions[key] = s
             elif (p := self._predictions.pop(key, None)) is not None:
                 self.steer_counts["checked"] += 1
                 self.steer_counts["right"] += p.path == s.path and p.next_token in (-1, s.next_token)
-        self._predictions = {k: p for k, p in self._predictions.items() if k >= (req.session_id, pass_step - 1)}
-        for s in self.steers:
-            key = (s.session_id, s.step)
-            if key == (req.session_id, pass_step):
+            if key == this:
                 now.append(s)
-            elif key > (req.session_id, pass_step):
+            elif key > this:
                 later.append(s)
+        self._predictions = {k: p for k, p in self._predictions.items() if k >= (this[0], this[1] - 1)}
         self.steers = later
         for s in now:
             self.steer(s, req)
@@ -150,10 +148,8 @@ class Drafter:
                     continue
                 if s.max_depth:
                     t["max_depth"] = min(t["max_depth"], max(s.max_depth, 1))
-                t["min_path_p"] = max(t.get("min_path_p", 0.0), s.min_path_p)
-                level_p = [t["path_p"][n] for n in t["frontier"] if n >= 0]
-                if t["depth"] >= t["max_depth"] or (level_p and max(level_p) < t["min_path_p"]):
-                    t["active"] = False
+                t["min_path_p"] = max(t["min_path_p"], s.min_path_p)
+                t["active"] = not self._done(t)
             return
         self.steer_counts["applied"] += 1
         if held or s.next_token < 0 or req.levels or not trees:
@@ -247,13 +243,7 @@ class Drafter:
             for t in path:
                 node = self._node(node, t)
             ends.append(node)
-        unfed = []
-        for e in ends:
-            n = e
-            while n is not None and n >= 0 and self.tree.hid[n] is None:
-                unfed.append(n)
-                n = self.tree.par[n]
-        self._feed_nodes(unfed)
+        self._feed_nodes([n for e in ends if e is not None for n in self._unfed(e)])
         live = [h for h, e in enumerate(ends) if e is not None]
         roots: list[int | None] = [None] * len(ends)
         if live:
@@ -356,7 +346,14 @@ class Drafter:
         return {"root": root, "root_token": root_token, "assumed": assumed, "position": position,
                 "max_nodes": max_nodes, "max_depth": max_depth, "depth": 0, "parents": [], "tokens": [],
                 "probs": [], "path_p": [], "scratch": [], "dists": {}, "alts": {}, "frontier": [-1],
-                "active": max_nodes > 0 and max_depth > 0}
+                "min_path_p": 0.0, "active": max_nodes > 0 and max_depth > 0}
+
+    def _done(self, t: dict) -> bool:
+        """Whether a tree stops growing: full, at its depth, or (adaptive depth) its last level's best
+        path is too unlikely for the next level to pay for itself."""
+        level_p = [t["path_p"][n] for n in t["frontier"] if n >= 0]
+        return (not t["frontier"] or len(t["tokens"]) >= t["max_nodes"] or t["depth"] >= t["max_depth"]
+                or (bool(level_p) and max(level_p) < max(self.growing["min_path_p"], t["min_path_p"])))
 
     def _grow(self, req: DraftRequest, t0: float) -> list[DraftExpansion]:
         """Grow every tree still growing by up to ``req.levels`` levels (0: until each is done), all
@@ -419,9 +416,8 @@ class Drafter:
                     level.append(len(t["tokens"]) - 1)
                 t["depth"] += 1
                 t["frontier"] = level
-                if (not level or len(t["tokens"]) >= t["max_nodes"] or t["depth"] >= t["max_depth"]
-                        or max(t["path_p"][n] for n in level) < max(g["min_path_p"], t.get("min_path_p", 0.0))):
-                    t["active"] = False  # full, or (adaptive depth) the next level would not pay for itself
+                if self._done(t):
+                    t["active"] = False
             done += 1
         end = time.perf_counter()
         g["draft_s"] += end - t0

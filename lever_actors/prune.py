@@ -34,6 +34,11 @@ CALIBRATION_FILE = Path(__file__).with_name("prune_calibration.json")
 ALTERNATIVES = 4  # draft top tokens kept per node as the pruner's competitors
 
 
+def lens_rows(h: np.ndarray, norm_w: np.ndarray, eps: float) -> np.ndarray:
+    """Hidden rows (float64) through the target's final RMS norm: what the LM-head rows are dotted with."""
+    return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * norm_w.astype(np.float64)
+
+
 def lens_margins(hidden: np.ndarray, rows_of: dict[int, int], parents: np.ndarray, tokens: np.ndarray,
                  alternatives: np.ndarray, head_rows, norm_w: np.ndarray, eps: float,
                  nodes: np.ndarray) -> np.ndarray:
@@ -47,7 +52,7 @@ def lens_margins(hidden: np.ndarray, rows_of: dict[int, int], parents: np.ndarra
     par = parents[nodes]
     uniq = np.unique(par)
     h = hidden[[rows_of[int(p)] for p in uniq]].astype(np.float64)
-    z = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * norm_w.astype(np.float64)
+    z = lens_rows(h, norm_w, eps)
     vocab = np.unique(np.concatenate([alternatives[uniq].ravel(), tokens[nodes]]))
     col = {int(t): j for j, t in enumerate(vocab)}
     lens = z @ head_rows(vocab).astype(np.float64).T  # [parents, |vocab|]
@@ -86,8 +91,7 @@ def predict_outcome(hidden: np.ndarray, rows_of: dict[int, int], parents: np.nda
         cands = list(dict.fromkeys(list(children) + (alts if expanded else [])))
         if node not in rows_of or not cands or (not expanded and not children):
             return tuple(path), -1
-        h = hidden[rows_of[node]].astype(np.float64)
-        z = h / np.sqrt(np.mean(h * h) + eps) * norm_w.astype(np.float64)
+        z = lens_rows(hidden[rows_of[node]].astype(np.float64), norm_w, eps)
         best = cands[int(np.argmax(head_rows(cands).astype(np.float64) @ z))]
         if best not in children:
             return tuple(path), best if expanded else -1
