@@ -228,10 +228,10 @@ class Drafter:
             self.root_hidden = self._feed(new[len(keep):])
 
     def _assume(self, hypotheses) -> list[int]:
-        """Scratch nodes of each hypothesis's assumed next root: its path, then the draft's best
-        token after the path outside ``excluded`` (two batched draft calls at most)."""
+        """Scratch nodes of each hypothesis's assumed next root: its path, then the draft's
+        ``rank``-th best token after the path outside ``excluded`` (two batched draft calls at most)."""
         ends = []
-        for path, _, _, _ in hypotheses:
+        for path, *_ in hypotheses:
             missing, node = 1, -1  # its root, and the path nodes not in the tree yet
             for t in path:
                 node = self.tree.child(node, t) if node is not None else None
@@ -249,11 +249,11 @@ class Drafter:
         if live:
             logits = self.head.logits(np.stack([self.root_hidden if ends[h] < 0 else self.tree.hid[ends[h]] for h in live]))
             for h, row in zip(live, logits):
-                excluded = hypotheses[h][1]
+                _, excluded, _, _, rank = hypotheses[h]
                 if excluded:
                     row = row.copy()
                     row[self._columns_of(excluded)] = -np.inf
-                roots[h] = self._node(ends[h], self._token(int(np.argmax(row))))
+                roots[h] = self._node(ends[h], self._token(_ranked(row, rank)))
         self._feed_nodes([r for r in roots if r is not None])
         return roots
 
@@ -312,8 +312,8 @@ class Drafter:
         if req.hypotheses:
             hyps = list(req.hypotheses)
             roots = self._assume(hyps)  # None: no room left to assume it (it gets an empty answer)
-            growths = [(-1, 0, 0) if r is None else (r, mn, md) for r, (_, _, mn, md) in zip(roots, hyps)]
-            assumed = [() if r is None else tuple(p) + (self.tree.tok[r],) for r, (p, _, _, _) in zip(roots, hyps)]
+            growths = [(-1, 0, 0) if r is None else (r, mn, md) for r, (_, _, mn, md, _) in zip(roots, hyps)]
+            assumed = [() if r is None else tuple(h[0]) + (self.tree.tok[r],) for r, h in zip(roots, hyps)]
         else:
             growths, assumed = [(-1, req.max_nodes, req.max_depth)], [()]
         self.outcomes = [list(a) for a in assumed]
@@ -492,3 +492,12 @@ class Drafter:
         rng = rng_for(params.seed ^ 0x5EED, step, node + 1)
         nz = int(np.count_nonzero(p))
         return [int(t) for t in rng.choice(len(p), size=min(k, nz), replace=False, p=p)]
+
+
+def _ranked(row: np.ndarray, rank: int) -> int:
+    """The column of ``row``'s ``rank``-th largest value (0: ``argmax``, ties to the lower column)."""
+    rank = min(rank, len(row) - 1)
+    if rank == 0:
+        return int(np.argmax(row))
+    top = np.argpartition(-row, rank)[:rank + 1]
+    return int(top[np.lexsort((top, -row[top]))][rank])

@@ -82,6 +82,7 @@ def summarize(rows: list[dict]) -> dict:
         "spec_misses": sum(r["stats"].get("spec_misses", 0) for r in rows),
         # ... of the hits, those on an early stop of the tree rather than its main path (multi-outcome)
         "spec_early_hits": sum(r["stats"].get("spec_early_hits", 0) for r in rows),
+        "spec_runner_up_hits": sum(r["stats"].get("spec_runner_up_hits", 0) for r in rows),
         # ... those on a tree planted for the outcome the early exit predicted (+exit-predict)
         "spec_predicted_hits": sum(r["stats"].get("spec_predicted_hits", 0) for r in rows),
         # +exit-predict: outcomes predicted at the early exit, scored against their commits, right

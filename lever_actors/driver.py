@@ -67,6 +67,7 @@ class RunStats:
     spec_hits: int = 0
     spec_misses: int = 0
     spec_early_hits: int = 0  # ... of the hits, those on an early stop (multi-outcome), not the main path
+    spec_runner_up_hits: int = 0  # ... those on the main path, then the draft's runner-up token
     spec_predicted_hits: int = 0  # ... those on a tree planted for the exit layer's predicted outcome
     ngram_offered: int = 0  # free prompt-lookup nodes offered to the planner (not drafted already)
     ngram_n: int = 0  # ... verified
@@ -89,7 +90,8 @@ class RunStats:
             "flash_bytes_read": self.flash_bytes, "flash_bytes_per_token": self.flash_bytes / max(self.committed, 1),
             "io_s": io_busy_s, "io_wait_s": self.io_wait_s, "compute_s": self.compute_s, "draft_s": self.draft_s,
             "draft_hidden_s": self.draft_hidden_s, "spec_hits": self.spec_hits, "spec_misses": self.spec_misses,
-            "spec_early_hits": self.spec_early_hits, "spec_predicted_hits": self.spec_predicted_hits,
+            "spec_early_hits": self.spec_early_hits, "spec_runner_up_hits": self.spec_runner_up_hits,
+            "spec_predicted_hits": self.spec_predicted_hits,
             "spec_hit_rate": self.spec_hits / (self.spec_hits + self.spec_misses)
             if self.spec_hits + self.spec_misses else None,
             "ngram_offered": self.ngram_offered, "ngram_n": self.ngram_n, "ngram_accepted": self.ngram_accepted,
@@ -333,7 +335,7 @@ class Pipeline:
             await self.draft_send.send(DraftRequest(
                 session_id=g.sid, step=0, epoch=0, root_token=g.prompt[-1], position=len(g.prompt) - 1,
                 max_nodes=0, max_depth=0, top_k=g.top_k if ahead else 1, reset=True, reuse_prefix=g.reuse,
-                hypotheses=(((), (), g.draft_cap, g.max_depth),) if ahead else (),
+                hypotheses=(((), (), g.draft_cap, g.max_depth, 0),) if ahead else (),
                 **g.spec.settle_fields(), **g.sampling))
             if ahead:
                 g.spec.assume(1)
@@ -444,8 +446,9 @@ class Pipeline:
 
     async def _draft_ahead(self, g: Generation, tree: Tree) -> bool:
         """Cross-step drafting: while the target verifies, draft the trees that follow its likeliest
-        outcomes (the main path accepted whole, then the draft's own next token; for lever also the
-        likeliest early stops), all in the same draft calls. Returns whether a request went out."""
+        outcomes (the main path accepted whole, then the draft's own next token; for lever also its
+        runner-up token there, and the likeliest early stops), all in the same draft calls. Returns
+        whether a request went out."""
         if not (g.gamma and self.cfg.overlap and tree.drafted):
             return False
         limits = self._draft_limits(g, hidden=True)
@@ -464,7 +467,11 @@ class Pipeline:
                 continue
             # with several outcomes every one gets a chain as deep; alone, the main one gets the configured shape
             nodes = limits["max_depth"] if extra else limits["max_nodes"]
-            hyps.append((path, excluded, nodes, limits["max_depth"]))
+            hyps.append((path, excluded, nodes, limits["max_depth"], 0))
+            if h == 0 and extra and self.cfg.runner_up:
+                # the main path accepted whole, then the draft's second choice: where the draft's guess
+                # of the target's next token misses, it is most often after the main path (README)
+                hyps.append((path, excluded, nodes, limits["max_depth"], 1))
         await self.draft_send.send(DraftRequest(
             session_id=g.sid, step=g.step + 1, epoch=0, root_token=g.root, position=g.position, top_k=g.top_k,
             hypotheses=tuple(hyps), **limits, **g.spec.settle_fields(), **g.sampling))
@@ -598,7 +605,7 @@ class Pipeline:
         g.root = int(commit.tokens[-1])
         g.spec.settle(list(commit.tokens), exps)
         g.stats.spec_hits, g.stats.spec_misses, g.stats.spec_early_hits = g.spec.hits, g.spec.misses, g.spec.early_hits
-        g.stats.spec_predicted_hits = g.spec.predicted_hits
+        g.stats.spec_predicted_hits, g.stats.spec_runner_up_hits = g.spec.predicted_hits, g.spec.runner_up_hits
 
     def _finish(self, g: Generation, finish: str, io_before: int, t_io0: float, t_start: float,
                 t_decode: float, check0: float) -> tuple[list[int], str, dict]:

@@ -84,6 +84,7 @@ class CrossStep:
     hits: int = 0
     misses: int = 0
     early_hits: int = 0  # hits on an early stop, not the main path accepted whole (multi-outcome)
+    runner_up_hits: int = 0  # hits on the main path accepted whole, then the draft's runner-up token
     predicted_hits: int = 0  # hits on a tree the drafter planted for the exit layer's predicted outcome
 
     def settle_fields(self) -> dict:
@@ -111,7 +112,10 @@ class CrossStep:
             self.ready = hit
             self.hits += 1
             self.predicted_hits += hit.hypothesis >= was  # beyond the hypotheses requested: planted
-            self.early_hits += 0 < hit.hypothesis < was
+            if 0 < hit.hypothesis < was:  # the main path's (hypothesis 0's) own, or an early stop's
+                main_path_held = list(hit.assumed[:-1]) == list(expansions[0].assumed[:-1])
+                self.runner_up_hits += main_path_held
+                self.early_hits += not main_path_held
         else:
             self.misses += 1  # its drafting ran beside verification: only the guess is lost
         return hit is not None

@@ -145,7 +145,7 @@ class LayerReleased(PipelineMessage):
 class DraftRequest(PipelineMessage):
     """-> Drafter: grow a candidate tree below ``root_token`` at sequence ``position``."""
     KIND: ClassVar[str] = "draft.request"
-    VERSION: ClassVar[int] = 7
+    VERSION: ClassVar[int] = 8
     root_token: int
     position: int        # sequence position of root_token
     max_nodes: int
@@ -181,7 +181,10 @@ class DraftRequest(PipelineMessage):
     # assumed: the drafter keeps the rows a committed outcome shares with what it drafted.
     # ``confirmed_hypothesis`` >= 0 says instead that hypothesis of the last request held and
     # ``committed`` counts from after it (what v6's ``confirmed`` said of its one assumption).
-    hypotheses: tuple[tuple[tuple[int, ...], tuple[int, ...], int, int], ...] = ()
+    # v8: a hypothesis is ``(path, excluded, max_nodes, max_depth, rank)``: the assumed next token
+    # is the draft's ``rank``-th best after the path outside ``excluded`` (0: its best, as in v7).
+    # Two hypotheses may share a path: where the draft hesitates between tokens, both get a tree.
+    hypotheses: tuple[tuple[tuple[int, ...], tuple[int, ...], int, int, int], ...] = ()
     confirmed_hypothesis: int = -1
     # v7 too: drafting as long as the pass lasts. ``levels`` > 0 grows the trees by at most that many
     # levels in this request (0: until each tree's own limits); ``extend`` grows the trees of the
@@ -219,6 +222,12 @@ class DraftRequest(PipelineMessage):
             body["hypotheses"] = ((tuple(assume), (), body.get("max_nodes", 0), body.get("max_depth", 0)),)
         return body
 
+    @staticmethod
+    def upgrade_from_7(body: dict) -> dict:
+        # v7's hypotheses all assumed the draft's best token
+        body["hypotheses"] = tuple(tuple(h) + (0,) for h in body.get("hypotheses", ()))
+        return body
+
     def _check(self) -> None:
         _non_negative(self, "root_token", "position", "max_nodes", "max_depth", "threads", "levels")
         if self.top_k < 1:
@@ -229,9 +238,9 @@ class DraftRequest(PipelineMessage):
             raise ValueError(f"DraftRequest.min_path_p must lie in [0, 1], got {self.min_path_p}")
         if self.confirmed_hypothesis < -1:
             raise ValueError("DraftRequest.confirmed_hypothesis must be -1 (none) or a hypothesis index")
-        for path, excluded, max_nodes, max_depth in self.hypotheses:
-            if min(path + excluded, default=0) < 0 or max_nodes < 0 or max_depth < 0:
-                raise ValueError("DraftRequest.hypotheses: tokens and limits must be >= 0")
+        for path, excluded, max_nodes, max_depth, rank in self.hypotheses:
+            if min(path + excluded, default=0) < 0 or min(max_nodes, max_depth, rank) < 0:
+                raise ValueError("DraftRequest.hypotheses: tokens, limits and ranks must be >= 0")
 
 
 @register

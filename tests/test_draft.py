@@ -58,7 +58,7 @@ def test_speculation_then_verdict_leaves_the_exact_cache(tiny_bundles, verdict):
     (tree,) = _first(spec)
     chain = [int(t) for t in tree.tokens]
     main, second = spec.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1,
-                                   hypotheses=((tuple(chain), (), 4, 4), ((), (chain[0],), 3, 3))))
+                                   hypotheses=((tuple(chain), (), 4, 4, 0), ((), (chain[0],), 3, 3, 0))))
     assert main.assumed[:-1] == tuple(chain) and second.assumed[:-1] == () and second.assumed[0] != chain[0]
     assert (main.hypothesis, main.of, second.hypothesis) == (0, 2, 1)
     assert main.position == len(PROMPT) - 1 + len(main.assumed) and second.position == len(PROMPT)
@@ -87,7 +87,7 @@ def test_held_outcome_keeps_its_subtree_rows_through_further_commits(tiny_bundle
     d = _drafter(tiny_bundles[1])
     (tree,) = _first(d, max_nodes=3, max_depth=3)
     path = [int(t) for t in tree.tokens]
-    (h,) = d.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=((tuple(path), (), 4, 4),)))
+    (h,) = d.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=((tuple(path), (), 4, 4, 0),)))
     outcome = list(h.assumed)
     below = [int(t) for t in h.tokens]
     for step, commit in enumerate([outcome, below[:2], below[2:] + [7]], start=2):
@@ -99,7 +99,7 @@ def test_a_v6_style_confirmation_commits_the_assumed_outcome(tiny_bundles):
     """``confirmed_hypothesis`` stands for the tokens that hypothesis assumed (what v6 said with ``confirmed``)."""
     d = _drafter(tiny_bundles[1])
     (tree,) = _first(d)
-    (h,) = d.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=((tuple(tree.tokens[:2].tolist()), (), 4, 4),)))
+    (h,) = d.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=((tuple(tree.tokens[:2].tolist()), (), 4, 4, 0),)))
     d.draft(_req(2, root_token=9, position=0, committed=(9,), confirmed_hypothesis=0, max_nodes=2, max_depth=2))
     _check_rows(d, tiny_bundles[1], PROMPT + list(h.assumed) + [9])
     with pytest.raises(ValueError, match="never assumed"):
@@ -121,7 +121,7 @@ def test_nodes_and_their_ancestors_fed_in_one_call_match_feeding_them_apart(tiny
 def test_speculating_on_the_first_token_during_prefill(tiny_bundles, hit):
     """The reset request may already assume the first token (the target is still prefilling)."""
     spec = _drafter(tiny_bundles[1])
-    (guess,) = _first(spec, max_nodes=0, max_depth=0, hypotheses=(((), (), 4, 4),))
+    (guess,) = _first(spec, max_nodes=0, max_depth=0, hypotheses=(((), (), 4, 4, 0),))
     assert len(guess.tokens) > 0 and guess.position == len(PROMPT) and guess.assumed == (guess.root_token,)
     token = int(guess.root_token) if hit else (int(guess.root_token) + 1) % 50
     spec.draft(_req(1, root_token=token, position=len(PROMPT), committed=(token,)))
@@ -131,10 +131,24 @@ def test_speculating_on_the_first_token_during_prefill(tiny_bundles, hit):
 def test_excluded_tokens_are_never_the_assumed_next_token(tiny_bundles):
     d = _drafter(tiny_bundles[1])
     (tree,) = _first(d, max_nodes=0, max_depth=0)
-    (free,) = d.draft(_req(1, root_token=PROMPT[-1], position=0, hypotheses=(((), (), 1, 1),)))
+    (free,) = d.draft(_req(1, root_token=PROMPT[-1], position=0, hypotheses=(((), (), 1, 1, 0),)))
     best = int(free.assumed[0])
-    (other,) = d.draft(_req(2, root_token=PROMPT[-1], position=0, hypotheses=(((), (best,), 1, 1),)))
+    (other,) = d.draft(_req(2, root_token=PROMPT[-1], position=0, hypotheses=(((), (best,), 1, 1, 0),)))
     assert other.assumed[0] != best
+
+
+def test_ranked_hypotheses_assume_the_drafts_runner_up_tokens_in_order(tiny_bundles):
+    """Hypotheses sharing a path assume the draft's best, second and third token after it, and a
+    rank counts among the tokens outside ``excluded``."""
+    d = _drafter(tiny_bundles[1])
+    (tree,) = _first(d, max_nodes=3, max_depth=1, top_k=3)  # level 1: the draft's three best, best first
+    best = [int(t) for t in tree.tokens]
+    out = d.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1,
+                       hypotheses=tuple(((), (), 1, 1, r) for r in range(3))))
+    assert [int(e.assumed[0]) for e in out] == best and [e.hypothesis for e in out] == [0, 1, 2]
+    (skip,) = d.draft(_req(2, root_token=PROMPT[-1], position=len(PROMPT) - 1,
+                           hypotheses=(((), (best[0],), 1, 1, 1),)))
+    assert int(skip.assumed[0]) == best[2]
 
 
 def _fields(msg) -> dict:
@@ -170,7 +184,7 @@ def test_a_nearly_full_context_drafts_ahead_what_fits_and_answers_every_hypothes
     d.draft(_req(0, root_token=long[-1], position=len(long) - 1, committed=tuple(long), reset=True, max_nodes=0,
                  max_depth=0))
     out = d.draft(_req(1, root_token=long[-1], position=len(long) - 1,
-                       hypotheses=(((), (), 8, 4), ((1, 2, 3), (), 4, 4))))
+                       hypotheses=(((), (), 8, 4, 0), ((1, 2, 3), (), 4, 4, 0))))
     assert [e.hypothesis for e in out] == [0, 1] and all(e.of == 2 for e in out)
     assert len(out[0].tokens) + 1 <= 3 and out[1].assumed == () and len(out[1].tokens) == 0
     assert d.m.kv.length + len(d.tree) <= CONTEXT
@@ -179,7 +193,7 @@ def test_a_nearly_full_context_drafts_ahead_what_fits_and_answers_every_hypothes
 def test_trees_grown_a_level_at_a_time_are_the_trees_grown_at_once(tiny_bundles):
     """Drafting until the commit: extend requests grow the last request's trees further, and the
     trees come out as one request to the same limits would have drafted them."""
-    hyps = (((), (), 6, 6), ((), (0,), 3, 3))
+    hyps = (((), (), 6, 6, 0), ((), (0,), 3, 3, 0))
     whole, steps = _drafter(tiny_bundles[1]), _drafter(tiny_bundles[1])
     for d in (whole, steps):
         _first(d, max_nodes=0, max_depth=0)
@@ -220,7 +234,7 @@ def test_the_commit_cut_stops_the_other_outcomes_and_caps_the_one_that_held(tiny
     (tree,) = _first(cut)
     _first(whole)
     chain = [int(t) for t in tree.tokens]
-    hyps = ((tuple(chain), (), 6, 6), ((), (chain[0],), 6, 6))
+    hyps = ((tuple(chain), (), 6, 6, 0), ((), (chain[0],), 6, 6, 0))
     ref_main, ref_second = whole.draft(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=hyps))
     req = _ahead(cut, hyps)
     held = tuple(cut.growing["trees"][0]["assumed"])
@@ -239,7 +253,7 @@ def test_a_cut_with_no_outcome_held_stops_every_tree(tiny_bundles):
     d = _drafter(tiny_bundles[1])
     (tree,) = _first(d)
     chain = [int(t) for t in tree.tokens]
-    req = _ahead(d, ((tuple(chain), (), 6, 6), ((), (chain[0],), 6, 6)))
+    req = _ahead(d, ((tuple(chain), (), 6, 6, 0), ((), (chain[0],), 6, 6, 0)))
     d.steer(_steer(0, (), (chain[0] + 1) % 50 if (chain[0] + 1) % 50 != d.growing["trees"][1]["assumed"][0]
                    else (chain[0] + 2) % 50, final=True, max_depth=6), req)
     assert not any(t["active"] for t in d.growing["trees"])
@@ -254,7 +268,7 @@ def test_a_predicted_outcome_no_hypothesis_assumed_gets_a_tree_of_its_own(tiny_b
     d = _drafter(bundle)
     (tree,) = _first(d)
     chain = [int(t) for t in tree.tokens]
-    req = _ahead(d, ((tuple(chain), (), 4, 4),))
+    req = _ahead(d, ((tuple(chain), (), 4, 4, 0),))
     other = next(t for t in range(50) if t != chain[1])
     outcome = (chain[0], other)
     d.steer(_steer(0, outcome[:1], other), req)
@@ -279,7 +293,7 @@ def test_a_prediction_a_hypothesis_assumed_plants_nothing(tiny_bundles):
     d = _drafter(tiny_bundles[1])
     (tree,) = _first(d)
     chain = [int(t) for t in tree.tokens]
-    req = _ahead(d, ((tuple(chain), (), 4, 4),))
+    req = _ahead(d, ((tuple(chain), (), 4, 4, 0),))
     held = tuple(d.growing["trees"][0]["assumed"])
     d.steer(_steer(0, held[:-1], held[-1]), req)
     d.steer(_steer(0, held[:-1]), req)  # the next token not predicted: the draft's own guess stands
@@ -294,7 +308,7 @@ def test_a_planted_tree_never_takes_the_slots_the_hypotheses_still_need(tiny_bun
     long = (PROMPT * 40)[:CONTEXT - 12]
     d.draft(_req(0, root_token=long[-1], position=len(long) - 1, committed=tuple(long), reset=True, max_nodes=0,
                  max_depth=0))
-    req = _req(1, root_token=long[-1], position=len(long) - 1, hypotheses=(((), (), 6, 6),))
+    req = _req(1, root_token=long[-1], position=len(long) - 1, hypotheses=(((), (), 6, 6, 0),))
     d._begin(req)
     d._grow_levels(1)
     assumed = d.growing["trees"][0]["assumed"]
@@ -313,7 +327,7 @@ def test_steers_of_earlier_passes_are_dropped_later_ones_kept_and_predictions_sc
                 Tracer(enabled=False), steer_recv=recv)
     (tree,) = _first(d)
     chain = [int(t) for t in tree.tokens]
-    req = _ahead(d, ((tuple(chain), (), 4, 4),), step=3)  # drafted beside pass 2
+    req = _ahead(d, ((tuple(chain), (), 4, 4, 0),), step=3)  # drafted beside pass 2
     held = tuple(d.growing["trees"][0]["assumed"])
     send.send_nowait(_steer(1, (), 7, final=True))  # an earlier pass: dropped
     send.send_nowait(DraftSteer(session_id=0, step=2, epoch=0, path=(), next_token=7, final=True))  # earlier session

@@ -160,7 +160,8 @@ STRATEGIES: dict[type, st.SearchStrategy] = {
                                max_depth=U31, top_k=st.integers(1, 64), min_path_p=st.floats(0, 1),
                                threads=st.integers(0, 64), confirmed_hypothesis=st.integers(-1, 8), levels=st.integers(0, 64),
                                hypotheses=st.lists(st.tuples(st.lists(TOKENS, max_size=4).map(tuple),
-                                                             st.lists(TOKENS, max_size=3).map(tuple), U31, U31),
+                                                             st.lists(TOKENS, max_size=3).map(tuple), U31, U31,
+                                                             st.integers(0, 8)),
                                                    max_size=3).map(tuple)),
     DraftExpansion: draft_expansions(),
     DraftSteer: st.one_of(
@@ -740,16 +741,25 @@ def test_register_refuses_non_messages(cls):
 def test_a_v6_draft_request_becomes_one_hypothesis():
     """v6 assumed one outcome (a path, then the draft's top choice) and confirmed it with a flag."""
     old = decode((GOLDEN_DIR / "draft.request.v6.msgpack").read_bytes())
-    assert old.hypotheses == (((198, 220), (), old.max_nodes, old.max_depth),)
+    assert old.hypotheses == (((198, 220), (), old.max_nodes, old.max_depth, 0),)
     assert old.confirmed_hypothesis == 0
     plain = decode(pack_envelope("draft.request", 6, {"session_id": 1, "step": 2, "epoch": 0, "root_token": 5,
                                                       "position": 9, "max_nodes": 4, "max_depth": 4, "top_k": 1}))
     assert plain.hypotheses == () and plain.confirmed_hypothesis == -1
 
 
+def test_a_v7_draft_request_assumes_the_drafts_best_token_for_every_hypothesis():
+    """v7's hypotheses had no rank: each assumed the draft's best token after its path (rank 0)."""
+    old = decode((GOLDEN_DIR / "draft.request.v7.msgpack").read_bytes())
+    assert old.hypotheses == (((198, 220), (), 16, 8, 0), ((198,), (220, 262), 6, 6, 0))
+    with pytest.raises(ValueError, match="ranks"):
+        DraftRequest(session_id=1, step=2, epoch=0, root_token=5, position=9, max_nodes=4, max_depth=4, top_k=1,
+                     hypotheses=(((), (), 1, 1, -1),))
+
+
 def test_an_extend_request_carries_no_commit():
     base = dict(session_id=1, step=2, epoch=0, root_token=5, position=9, max_nodes=4, max_depth=4, top_k=1)
     assert DraftRequest(**base, extend=True, levels=1).extend
-    for bad in ({"committed": (3,)}, {"reset": True}, {"hypotheses": (((), (), 1, 1),)}):
+    for bad in ({"committed": (3,)}, {"reset": True}, {"hypotheses": (((), (), 1, 1, 0),)}):
         with pytest.raises(ValueError, match="extend"):
             DraftRequest(**base, extend=True, **bad)

@@ -86,25 +86,41 @@ def test_greedy_speculation_equals_resident_ar(tiny_bundles, unrelated_draft, ti
         assert stats["spec_misses"] > stats["spec_hits"]  # wrong guesses are undone, output unchanged
 
 
-def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundles, ar_tokens):
+def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundles, ar_tokens, monkeypatch):
     """lever drafts ahead for its tree's likeliest early stops too: some passes find their tree ready
-    after a partial acceptance (never with +no-multi-outcome), and the output is the same."""
+    after a partial acceptance (never with +no-multi-outcome), and the output is the same. Right after
+    the main path it assumes the draft's runner-up token as well (not with +no-runner-up)."""
+    import lever_actors.driver
+    from protocols import DraftRequest
+
+    requests = []
+
+    def recording(**kw):
+        requests.append(DraftRequest(**kw))
+        return requests[-1]
+
+    monkeypatch.setattr(lever_actors.driver, "DraftRequest", recording)
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
     budget = _min_budget(target, draft)
-    runs = {}
-    for multi in (True, False):
+    runs, ranks = {}, {}
+    for multi, runner_up in ((True, True), (True, False), (False, True)):
         # every layer streamed, slowly enough that the pass is bound by its reads as on the real pair
         # (trees pay there; a pinned tiny model's pass is mostly bookkeeping, and its plans verify little)
         cfg = EngineConfig(mode="lever", gamma=16, context=CONTEXT, dram_budget=budget, multi_outcome=multi,
-                           flash_bandwidth=20e6)
+                           runner_up=runner_up, flash_bandwidth=20e6)
+        requests.clear()
         toks, stats, _ = trio.run(generate, cfg, target, draft, ids)
         assert toks == ar_tokens
-        runs[multi] = stats
-    assert runs[False]["spec_early_hits"] == 0
-    assert runs[True]["spec_early_hits"] > 0
-    assert runs[True]["spec_hits"] > runs[True]["spec_early_hits"]  # the main path still holds most often
-    assert runs[True]["spec_hits"] > runs[False]["spec_hits"]
+        runs[multi, runner_up] = stats
+        ranks[multi, runner_up] = [[h[4] for h in r.hypotheses] for r in requests if len(r.hypotheses) > 1]
+    assert runs[False, True]["spec_early_hits"] == 0 and runs[True, False]["spec_early_hits"] > 0
+    assert runs[True, False]["spec_hits"] > runs[True, False]["spec_early_hits"]  # the main path holds most often
+    assert runs[True, False]["spec_hits"] > runs[False, True]["spec_hits"]
+    # hypothesis 1 is the main path again, with the draft's second-best token; every other takes its best
+    assert ranks[True, True] and all(r[:2] == [0, 1] and not any(r[2:]) for r in ranks[True, True])
+    assert ranks[True, False] and not any(any(r) for r in ranks[True, False])
+    assert ranks[False, True] == []
 
 
 @pytest.mark.parametrize("draft_kind", ["perturbed", "unrelated"])

@@ -38,6 +38,17 @@ def test_a_hit_keeps_the_tree_drafted_under_the_outcome_that_held():
     assert cs.settle_fields() == {"committed": ()}  # ... and is told once
 
 
+def test_a_hit_on_the_drafts_runner_up_token_is_not_an_early_stop():
+    cs = CrossStep()
+    cs.assume(3)
+    main, runner_up, early = expansion(5, 6, 7), expansion(5, 6, 9, hypothesis=1), expansion(8, hypothesis=2)
+    assert cs.settle([5, 6, 9], [main, runner_up, early])
+    assert (cs.hits, cs.runner_up_hits, cs.early_hits) == (1, 1, 0) and cs.take_ready() is runner_up
+    cs.assume(3)
+    assert cs.settle([8], [main, runner_up, early])
+    assert (cs.hits, cs.runner_up_hits, cs.early_hits) == (2, 1, 1)
+
+
 def test_a_miss_drops_the_trees_and_sends_the_real_tokens():
     cs = CrossStep()
     cs.assume(2)
