@@ -57,10 +57,10 @@ ABLATIONS = (
                  "context's last tokens) beside the drafted tree"),
     ("no-multi-outcome", "lever drafts ahead only for its tree's main path accepted whole, not also for the "
                          "likeliest early stops (multi-outcome cross-step drafting)"),
-    ("no-runner-up", "lever drafts ahead for the main path accepted whole with the draft's best next token only, "
-                     "not also with its second-best (where the draft's guess misses, it is most often there)"),
     ("no-commit-cut", "lever's trees drafted ahead for outcomes the commit did not take go on growing to their "
                       "planned depth, and the tree that held to its hidden depth (the next pass waits for both)"),
+    ("runner-up", "lever also drafts ahead for its main path accepted whole followed by the draft's second-best "
+                  "token, not only its best (measured: no gain on held-out prompts, so off by default)"),
     ("exit-predict", "lever steers its drafts ahead by the outcome its early-exit layer predicts: a logit lens "
                      "after an intermediate target layer names the likeliest accepted path and the target's next "
                      "token while the pass still runs, and the drafter plants a tree for it when no hypothesis "
@@ -78,7 +78,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
-                        "+no-multi-outcome / +no-runner-up / +no-commit-cut / +exit-predict / +draft-until-commit / +core-borrow (default "
+                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +core-borrow (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",

@@ -56,12 +56,12 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 
 # ablations: no cross-step drafting; lever without its planner; lever without early-exit pruning; the
 # draft's full LM head instead of its calibrated vocabulary subset; lever drafting to its depth cap every time;
-# lever without free prompt-lookup branches; lever drafting ahead for the main outcome only, or without the
-# draft's runner-up token after the main path; and two
-# opt-ins that did not pay (README): lever's waited-for drafts also on the verification lane's idle
-# threads, and lever drafting ahead until the pass commits
+# lever without free prompt-lookup branches; lever drafting ahead for the main outcome only; lever
+# drafting on after the commit; and the opt-ins that did not pay (README): the draft's runner-up token
+# after the main path as one more outcome, drafting from the early exit's predicted outcome, lever's
+# waited-for drafts also on the verification lane's idle threads, and drafting ahead until the pass commits
 MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
-              "no-multi-outcome", "no-runner-up", "no-commit-cut", "exit-predict", "draft-until-commit", "core-borrow")
+              "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "core-borrow")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -123,7 +123,7 @@ class EngineConfig:
     draft_until_commit: bool = False  # lever: the trees drafted ahead grow until the pass commits, not to a depth cap
     commit_cut: bool = True  # lever: at the commit, trees drafted ahead for other outcomes stop growing
     exit_predict: bool = False  # lever: the early-exit layer's predicted outcome steers the drafts ahead (no gain)
-    runner_up: bool = True  # lever: also draft ahead for the main path, then the draft's second-best token
+    runner_up: bool = False  # lever: also draft ahead for the main path, then the draft's second-best token (no gain)
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
@@ -144,7 +144,7 @@ class EngineConfig:
                        exit_predict=self.exit_predict or "exit-predict" in flags,
                        draft_until_commit=self.draft_until_commit or "draft-until-commit" in flags,
                        core_borrow=self.core_borrow or "core-borrow" in flags, dram_budget=budget,
-                       runner_up=self.runner_up and "no-runner-up" not in flags,
+                       runner_up=self.runner_up or "runner-up" in flags,
                        budget_source=source)
 
     @classmethod
@@ -174,7 +174,7 @@ class EngineConfig:
             core_borrow=getattr(args, "core_borrow", False), multi_outcome=not getattr(args, "no_multi_outcome", False),
             draft_until_commit=getattr(args, "draft_until_commit", False),
             commit_cut=not getattr(args, "no_commit_cut", False), exit_predict=getattr(args, "exit_predict", False),
-            runner_up=not getattr(args, "no_runner_up", False),
+            runner_up=getattr(args, "runner_up", False),
             prompt_cache=_prompt_cache(getattr(args, "prompt_cache", None)),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
@@ -202,8 +202,8 @@ class EngineConfig:
             text += "+draft-until-commit"
         if self.mode == "lever" and self.core_borrow:
             text += "+core-borrow"
-        if self.mode == "lever" and self.overlap and self.multi_outcome and not self.runner_up:
-            text += "+no-runner-up"
+        if self.mode == "lever" and self.overlap and self.multi_outcome and self.runner_up:
+            text += "+runner-up"
         return text
 
     @property

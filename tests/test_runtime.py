@@ -88,8 +88,8 @@ def test_greedy_speculation_equals_resident_ar(tiny_bundles, unrelated_draft, ti
 
 def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundles, ar_tokens, monkeypatch):
     """lever drafts ahead for its tree's likeliest early stops too: some passes find their tree ready
-    after a partial acceptance (never with +no-multi-outcome), and the output is the same. Right after
-    the main path it assumes the draft's runner-up token as well (not with +no-runner-up)."""
+    after a partial acceptance (never with +no-multi-outcome), and the output is the same. With
+    +runner-up it assumes the draft's second-best token after the main path as well."""
     import lever_actors.driver
     from protocols import DraftRequest
 
@@ -164,16 +164,22 @@ def test_sampled_lever_is_never_steered(tiny_bundles, monkeypatch):
     sends none (no prediction, no commit cut), and draws the same output either way."""
     import actors.prune
     import lever_actors.driver
-    from protocols import DraftSteer
+    from protocols import DraftRequest, DraftSteer
 
     sent = []  # every steer the driver (the cut) or the pruner (a prediction) makes
+    requests = []
 
     def recording(**kw):
         sent.append(DraftSteer(**kw))
         return sent[-1]
 
+    def recording_request(**kw):
+        requests.append(DraftRequest(**kw))
+        return requests[-1]
+
     monkeypatch.setattr(lever_actors.driver, "DraftSteer", recording)
     monkeypatch.setattr(actors.prune, "DraftSteer", recording)
+    monkeypatch.setattr(lever_actors.driver, "DraftRequest", recording_request)
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
@@ -184,6 +190,8 @@ def test_sampled_lever_is_never_steered(tiny_bundles, monkeypatch):
         assert stats.get("exit_predicted", 0) == 0 and stats["exit_applied"] == 0
         out.append(toks)
     assert out[0] == out[1] and sent == []
+    # nor does it assume several outcomes: its trees follow the draft's draws, never a ranked guess
+    assert requests and all(len(r.hypotheses) <= 1 and not any(h[4] for h in r.hypotheses) for r in requests)
     cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode("lever:16+exit-predict")  # greedy: both sent
     trio.run(generate, cfg, target, draft, tokenizer(target).encode(PROMPT))
     assert any(s.final for s in sent) and any(not s.final for s in sent)
