@@ -113,7 +113,8 @@ class CrossStep:
             self.hits += 1
             self.predicted_hits += hit.hypothesis >= was  # beyond the hypotheses requested: planted
             if 0 < hit.hypothesis < was:  # the main path's (hypothesis 0's) own, or an early stop's
-                main_path_held = list(hit.assumed[:-1]) == list(expansions[0].assumed[:-1])
+                main = list(expansions[0].assumed)  # empty when the drafter had no room to assume it
+                main_path_held = bool(main) and list(hit.assumed[:-1]) == main[:-1]
                 self.runner_up_hits += main_path_held
                 self.early_hits += not main_path_held
         else:

@@ -47,6 +47,9 @@ def test_a_hit_on_the_drafts_runner_up_token_is_not_an_early_stop():
     cs.assume(3)
     assert cs.settle([8], [main, runner_up, early])
     assert (cs.hits, cs.runner_up_hits, cs.early_hits) == (2, 1, 1)
+    cs.assume(2)  # no room to assume the main path: a stop at the root is still an early stop
+    assert cs.settle([9], [SimpleNamespace(assumed=(), root_token=0, hypothesis=0), expansion(9, hypothesis=1)])
+    assert (cs.hits, cs.runner_up_hits, cs.early_hits) == (3, 1, 2)
 
 
 def test_a_miss_drops_the_trees_and_sends_the_real_tokens():
