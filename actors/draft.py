@@ -403,11 +403,10 @@ class Drafter:
                     base_p = t["path_p"][node] if node >= 0 else 1.0
                     for col in children:
                         cands.append((base_p * float(p[col]), node, self._token(col), float(p[col])))
-                cands.sort(key=lambda c: -c[0])
                 # a level holds at most max_nodes/max_depth nodes, so the budget buys depth
                 room = min(t["max_nodes"] - len(t["tokens"]), -(-t["max_nodes"] // t["max_depth"]))
                 level = []
-                for pp, parent, tok, q in cands[:room]:
+                for pp, parent, tok, q in keep_level(cands, room, params.greedy):
                     t["parents"].append(parent)
                     t["tokens"].append(tok)
                     t["probs"].append(q)
@@ -501,3 +500,21 @@ def _ranked(row: np.ndarray, rank: int) -> int:
         return int(np.argmax(row))
     top = np.argpartition(-row, rank)[:rank + 1]
     return int(top[np.lexsort((top, -row[top]))][rank])
+
+
+def keep_level(cands: list[tuple], room: int, greedy: bool) -> list[tuple]:
+    """The ``room`` candidates ``(path_p, parent, token, p)`` of a level that the tree keeps.
+
+    Greedy: the most probable paths. Sampled: tree speculative sampling is exact only when each
+    node's children are the first of its draws, in the order drawn (choosing among the draws by
+    their probability skews the output towards the draft's likely tokens), so parents are taken
+    most probable first, each with its draws in order, and the room cuts the last parent's short.
+    ``cands`` lists each parent's candidates together, in the order scored or drawn.
+    """
+    if greedy:
+        return sorted(cands, key=lambda c: -c[0])[:room]
+    parent_p = {}
+    for c in cands:  # a child's path probability over its own probability: its parent's
+        parent_p.setdefault(c[1], c[0] / c[3] if c[3] > 0 else 0.0)
+    order = sorted(range(len(cands)), key=lambda i: (-parent_p[cands[i][1]], i))
+    return [cands[i] for i in order[:room]]

@@ -83,3 +83,63 @@ def test_top_p_keeps_a_nucleus_that_reaches_p(logits, temperature, top_p):
     kept = probs > 0
     assert full[kept].sum() >= top_p - 1e-9 or kept.all()
     assert full[kept].min() >= full[~kept].max(initial=0) - 1e-12
+
+
+def _draft_level(frontier, path_p, dists, draws, room, greedy):
+    """One level the way the drafter grows it: each frontier node's candidates (its draws, in
+    order), then the ones ``keep_level`` keeps."""
+    from actors.draft import keep_level
+
+    cands = [(path_p[n] * float(dists[n][x]), n, x, float(dists[n][x])) for n in frontier for x in draws[n]]
+    return keep_level(cands, room, greedy)
+
+
+def test_a_sampled_tree_narrower_than_its_draws_still_reproduces_the_target_distribution():
+    """Sampled lever draws 3 children per node and keeps 2 nodes a level: which draws it keeps must
+    not depend on their probabilities (keeping the likeliest two gave [.19, .02, .07, .72] for a target
+    of [.1, .2, .3, .4]). Two levels, so the room also decides between parents."""
+    vocab = 4
+    p = np.array([0.5, 0.3, 0.15, 0.05])  # draft, the same after every token
+    q = np.array([0.1, 0.2, 0.3, 0.4])  # target, likewise
+    firsts, seconds = [], []  # the second token too, wherever the first was a draft node: q again
+    for step in range(30000):
+        r = np.random.default_rng([5, step])
+        parents, tokens, path_p = [-1], [0], {0: 1.0}
+        frontier = [0]
+        for _ in range(2):
+            draws = {n: [int(x) for x in r.choice(vocab, size=3, replace=False, p=p)] for n in frontier}
+            level = []
+            for pp, parent, tok, _ in _draft_level(frontier, path_p, {n: p for n in frontier}, draws, 2, False):
+                parents.append(parent)
+                tokens.append(tok)
+                path_p[len(tokens) - 1] = pp
+                level.append(len(tokens) - 1)
+            frontier = level
+        n = len(tokens)
+        _, committed = accept_sampled(np.array(parents), np.array(tokens), [p] * n, [q] * n, seed=9, step=step)
+        firsts.append(committed[0])
+        seconds += committed[1:2]
+    assert _tv(firsts, q) < 0.015 and _tv(seconds, q) < 0.02
+
+
+@given(st.lists(st.tuples(st.floats(0.01, 1.0), st.integers(1, 3)), min_size=1, max_size=4),
+       st.integers(0, 12), st.booleans())
+def test_kept_sampled_children_are_the_first_draws_of_their_parent_in_order(parents, room, greedy):
+    from actors.draft import keep_level
+
+    cands, i = [], 0
+    for n, (base_p, k) in enumerate(parents):
+        for j in range(k):  # draw j of parent n
+            p = 0.9 / (j + 1)
+            cands.append((base_p * p, n, i, p))
+            i += 1
+    kept = keep_level(cands, room, greedy)
+    assert len(kept) == min(room, len(cands))
+    if greedy:
+        assert [c[0] for c in kept] == sorted((c[0] for c in cands), reverse=True)[:len(kept)]
+        return
+    for n in {c[1] for c in kept}:
+        mine = [c for c in cands if c[1] == n]
+        got = [c for c in kept if c[1] == n]
+        assert got == mine[:len(got)]  # a prefix of its draws, in the order drawn
+    assert len({c[1] for c in kept if [x for x in cands if x[1] == c[1]] != [x for x in kept if x[1] == c[1]]}) <= 1
