@@ -236,7 +236,8 @@ class Drafter:
             for t in path:
                 node = self.tree.child(node, t) if node is not None else None
                 missing += node is None
-            if missing > self._free_slots():  # the context is nearly full: no room to draft ahead
+            roots_due = sum(e is not None for e in ends)  # the live hypotheses' roots, planted below
+            if missing + roots_due > self._free_slots():  # the context is nearly full: no room to draft ahead
                 ends.append(None)
                 continue
             node = -1
@@ -253,7 +254,8 @@ class Drafter:
                 if excluded:
                     row = row.copy()
                     row[self._columns_of(excluded)] = -np.inf
-                roots[h] = self._node(ends[h], self._token(_ranked(row, rank)))
+                col = _ranked(row, rank)
+                roots[h] = None if col is None else self._node(ends[h], self._token(col))
         self._feed_nodes([r for r in roots if r is not None])
         return roots
 
@@ -388,7 +390,7 @@ class Drafter:
             logits = self.head.logits(np.stack([row_of(t, n) for _, t in active for n in t["frontier"]]))
             r = 0
             for h, t in active:
-                cands = []
+                cands, parent_p = [], {}
                 for node in t["frontier"]:
                     p = self._distribution(logits[r], params)  # over the head's columns
                     r += 1
@@ -400,13 +402,13 @@ class Drafter:
                     else:
                         t["dists"][node] = self._full_distribution(p)
                         children = self._children(p, g["top_k"], params, g["step"], key)
-                    base_p = t["path_p"][node] if node >= 0 else 1.0
+                    base_p = parent_p[node] = t["path_p"][node] if node >= 0 else 1.0
                     for col in children:
                         cands.append((base_p * float(p[col]), node, self._token(col), float(p[col])))
                 # a level holds at most max_nodes/max_depth nodes, so the budget buys depth
                 room = min(t["max_nodes"] - len(t["tokens"]), -(-t["max_nodes"] // t["max_depth"]))
                 level = []
-                for pp, parent, tok, q in keep_level(cands, room, params.greedy):
+                for pp, parent, tok, q in keep_level(cands, room, params.greedy, parent_p):
                     t["parents"].append(parent)
                     t["tokens"].append(tok)
                     t["probs"].append(q)
@@ -493,17 +495,19 @@ class Drafter:
         return [int(t) for t in rng.choice(len(p), size=min(k, nz), replace=False, p=p)]
 
 
-def _ranked(row: np.ndarray, rank: int) -> int:
-    """The column of ``row``'s ``rank``-th largest value (0: ``argmax``, ties to the lower column)."""
-    rank = min(rank, len(row) - 1)
+def _ranked(row: np.ndarray, rank: int) -> int | None:
+    """The column of ``row``'s ``rank``-th largest value (0: ``argmax``; ties to the lower column),
+    or None when fewer columns than that are left outside the excluded ones (-inf)."""
     if rank == 0:
         return int(np.argmax(row))
-    top = np.argpartition(-row, rank)[:rank + 1]
-    return int(top[np.lexsort((top, -row[top]))][rank])
+    if rank >= int(np.isfinite(row).sum()):
+        return None
+    return int(np.argsort(-row, kind="stable")[rank])
 
 
-def keep_level(cands: list[tuple], room: int, greedy: bool) -> list[tuple]:
-    """The ``room`` candidates ``(path_p, parent, token, p)`` of a level that the tree keeps.
+def keep_level(cands: list[tuple], room: int, greedy: bool, parent_p: dict) -> list[tuple]:
+    """The ``room`` candidates ``(path_p, parent, token, p)`` of a level that the tree keeps
+    (``parent_p``: each parent's own path probability).
 
     Greedy: the most probable paths. Sampled: tree speculative sampling is exact only when each
     node's children are the first of its draws, in the order drawn (choosing among the draws by
@@ -513,8 +517,7 @@ def keep_level(cands: list[tuple], room: int, greedy: bool) -> list[tuple]:
     """
     if greedy:
         return sorted(cands, key=lambda c: -c[0])[:room]
-    parent_p = {}
-    for c in cands:  # a child's path probability over its own probability: its parent's
-        parent_p.setdefault(c[1], c[0] / c[3] if c[3] > 0 else 0.0)
+    # the parents' own probabilities, never their children's: which parent comes first must not
+    # depend on what it drew (ties keep the frontier's order)
     order = sorted(range(len(cands)), key=lambda i: (-parent_p[cands[i][1]], i))
     return [cands[i] for i in order[:room]]

@@ -190,6 +190,29 @@ def test_a_nearly_full_context_drafts_ahead_what_fits_and_answers_every_hypothes
     assert d.m.kv.length + len(d.tree) <= CONTEXT
 
 
+def test_hypotheses_sharing_a_path_near_a_full_context_take_only_the_slots_left(tiny_bundles):
+    """One slot left: the first hypothesis's root takes it, the runner-up gets an empty answer
+    (not a drafter out of KV slots)."""
+    d = _drafter(tiny_bundles[1])
+    long = (PROMPT * 40)[:CONTEXT - 1]
+    d.draft(_req(0, root_token=long[-1], position=len(long) - 1, committed=tuple(long), reset=True, max_nodes=0,
+                 max_depth=0))
+    assert d._free_slots() == 1
+    out = d.draft(_req(1, root_token=long[-1], position=len(long) - 1,
+                       hypotheses=(((), (), 4, 4, 0), ((), (), 4, 4, 1))))
+    assert len(out[0].assumed) == 1 and out[1].assumed == () and len(out[1].tokens) == 0
+    assert d.m.kv.length + len(d.tree) <= CONTEXT
+
+
+def test_ranked_tokens_break_ties_to_the_lower_column_and_never_name_an_excluded_one():
+    from actors.draft import _ranked
+
+    row = np.array([1.0, 3.0, 3.0, 2.0, 3.0], np.float32)
+    assert [_ranked(row, r) for r in range(5)] == [1, 2, 4, 3, 0]
+    row[[1, 4]] = -np.inf  # excluded
+    assert [_ranked(row, r) for r in range(5)] == [2, 3, 0, None, None]
+
+
 def test_trees_grown_a_level_at_a_time_are_the_trees_grown_at_once(tiny_bundles):
     """Drafting until the commit: extend requests grow the last request's trees further, and the
     trees come out as one request to the same limits would have drafted them."""

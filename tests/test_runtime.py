@@ -184,7 +184,7 @@ def test_sampled_lever_is_never_steered(tiny_bundles, monkeypatch):
     ids = tokenizer(target).encode(PROMPT)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
     out = []
-    for mode in ("lever:16", "lever:16+exit-predict"):
+    for mode in ("lever:16", "lever:16+exit-predict+runner-up"):
         cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode(mode)
         toks, stats, _ = trio.run(generate, cfg, target, draft, ids, params)
         assert stats.get("exit_predicted", 0) == 0 and stats["exit_applied"] == 0
