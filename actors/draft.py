@@ -230,20 +230,20 @@ class Drafter:
     def _assume(self, hypotheses) -> list[int]:
         """Scratch nodes of each hypothesis's assumed next root: its path, then the draft's
         ``rank``-th best token after the path outside ``excluded`` (two batched draft calls at most)."""
-        ends = []
+        ends, live_roots = [], 0  # the roots of the hypotheses assumed so far are planted below
         for path, *_ in hypotheses:
             missing, node = 1, -1  # its root, and the path nodes not in the tree yet
             for t in path:
                 node = self.tree.child(node, t) if node is not None else None
                 missing += node is None
-            roots_due = sum(e is not None for e in ends)  # the live hypotheses' roots, planted below
-            if missing + roots_due > self._free_slots():  # the context is nearly full: no room to draft ahead
+            if missing + live_roots > self._free_slots():  # the context is nearly full: no room to draft ahead
                 ends.append(None)
                 continue
             node = -1
             for t in path:
                 node = self._node(node, t)
             ends.append(node)
+            live_roots += 1
         self._feed_nodes([n for e in ends if e is not None for n in self._unfed(e)])
         live = [h for h, e in enumerate(ends) if e is not None]
         roots: list[int | None] = [None] * len(ends)

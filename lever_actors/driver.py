@@ -466,12 +466,11 @@ class Pipeline:
                 continue
             # with several outcomes every one gets a chain as deep; alone, the main one gets the configured shape
             nodes = limits["max_depth"] if extra else limits["max_nodes"]
-            hyps.append((path, excluded, nodes, limits["max_depth"], 0))
-            if h == 0 and extra and self.cfg.runner_up:
-                # +runner-up: the main path accepted whole, then the draft's second choice (where the
-                # draft's guess of the target's next token misses, it is most often after the main
-                # path; measured: no gain on held-out prompts, README)
-                hyps.append((path, excluded, nodes, limits["max_depth"], 1))
+            # +runner-up: the main path accepted whole, then also the draft's second choice (where the
+            # draft's guess of the target's next token misses, it is most often after the main path;
+            # measured: no gain on held-out prompts, README)
+            ranks = (0, 1) if h == 0 and extra and self.cfg.runner_up else (0,)
+            hyps += [(path, excluded, nodes, limits["max_depth"], rank) for rank in ranks]
         await self.draft_send.send(DraftRequest(
             session_id=g.sid, step=g.step + 1, epoch=0, root_token=g.root, position=g.position, top_k=g.top_k,
             hypotheses=tuple(hyps), **limits, **g.spec.settle_fields(), **g.sampling))

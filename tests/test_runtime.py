@@ -86,6 +86,19 @@ def test_greedy_speculation_equals_resident_ar(tiny_bundles, unrelated_draft, ti
         assert stats["spec_misses"] > stats["spec_hits"]  # wrong guesses are undone, output unchanged
 
 
+def _recording(monkeypatch, cls, *modules) -> list:
+    """Every ``cls`` message the given modules construct, in order (still sent as usual)."""
+    made = []
+
+    def construct(**kw):
+        made.append(cls(**kw))
+        return made[-1]
+
+    for module in modules:
+        monkeypatch.setattr(module, cls.__name__, construct)
+    return made
+
+
 def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundles, ar_tokens, monkeypatch):
     """lever drafts ahead for its tree's likeliest early stops too: some passes find their tree ready
     after a partial acceptance (never with +no-multi-outcome), and the output is the same. With
@@ -93,13 +106,7 @@ def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundl
     import lever_actors.driver
     from protocols import DraftRequest
 
-    requests = []
-
-    def recording(**kw):
-        requests.append(DraftRequest(**kw))
-        return requests[-1]
-
-    monkeypatch.setattr(lever_actors.driver, "DraftRequest", recording)
+    requests = _recording(monkeypatch, DraftRequest, lever_actors.driver)
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
     budget = _min_budget(target, draft)
@@ -166,20 +173,8 @@ def test_sampled_lever_is_never_steered(tiny_bundles, monkeypatch):
     import lever_actors.driver
     from protocols import DraftRequest, DraftSteer
 
-    sent = []  # every steer the driver (the cut) or the pruner (a prediction) makes
-    requests = []
-
-    def recording(**kw):
-        sent.append(DraftSteer(**kw))
-        return sent[-1]
-
-    def recording_request(**kw):
-        requests.append(DraftRequest(**kw))
-        return requests[-1]
-
-    monkeypatch.setattr(lever_actors.driver, "DraftSteer", recording)
-    monkeypatch.setattr(actors.prune, "DraftSteer", recording)
-    monkeypatch.setattr(lever_actors.driver, "DraftRequest", recording_request)
+    sent = _recording(monkeypatch, DraftSteer, lever_actors.driver, actors.prune)  # the cut's and the pruner's
+    requests = _recording(monkeypatch, DraftRequest, lever_actors.driver)
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)

@@ -5,6 +5,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.draft import keep_level
 from lever_actors.sampling import SamplingParams, accept_greedy, accept_sampled, probs_from_logits
 
 
@@ -88,8 +89,6 @@ def test_top_p_keeps_a_nucleus_that_reaches_p(logits, temperature, top_p):
 def _draft_level(frontier, path_p, dists, draws, room, greedy):
     """One level the way the drafter grows it: each frontier node's candidates (its draws, in
     order), then the ones ``keep_level`` keeps."""
-    from actors.draft import keep_level
-
     cands = [(path_p[n] * float(dists[n][x]), n, x, float(dists[n][x])) for n in frontier for x in draws[n]]
     return keep_level(cands, room, greedy, {n: path_p[n] for n in frontier})
 
@@ -129,8 +128,6 @@ def test_kept_sampled_children_are_the_first_draws_of_their_parent_in_order(pare
     """Sampled: each parent keeps the first of its draws in the order drawn, whatever their
     probabilities, and how many it keeps depends on the parents' own probabilities only (parents
     often tie here). Greedy: the likeliest paths."""
-    from actors.draft import keep_level
-
     def level(draw_ps):
         cands, i = [], 0
         for n, (base_p, _) in enumerate(parents):
