@@ -17,6 +17,8 @@
 #include <Python.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -743,9 +745,76 @@ static void *run_job(void *arg) {
     return NULL;
 }
 
-/* Run jobs[0..n) (each `size` bytes) with `fn`: job 0 on the calling thread, the others on
- * their own threads (inline when a thread cannot be created). */
+/* A pool of persistent workers for run_jobs. Creating a thread per call cost more than the work
+ * of a small matmul (a 0.5B draft token makes ~170 calls), so lending a second core to a draft made
+ * it slower. Workers spin briefly after a job (the next call of a draft step comes within tens of
+ * microseconds) and then sleep on a condition variable, so an idle pool costs no CPU. One caller
+ * at a time owns the pool; a concurrent caller (the other lane) creates threads as before. */
+#define POOL_MAX 15
+#define POOL_SPIN 20000 /* polls before sleeping: roughly 100 us */
+typedef struct {
+    pthread_mutex_t lock;     /* one caller at a time */
+    pthread_mutex_t wake_mu;
+    pthread_cond_t wake;
+    int started;                  /* workers running */
+    _Atomic unsigned long ticket; /* (dispatch number << 5) | jobs in it: one load tells a worker both */
+    _Atomic int pending;          /* jobs of the current dispatch not yet done */
+    void *(*fn)(void *);
+    char *jobs;
+    size_t size;
+    unsigned long born[POOL_MAX + 1]; /* the ticket before a worker's first dispatch */
+} Pool;
+static Pool pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static void *pool_worker(void *arg) {
+    const unsigned long id = (unsigned long)(intptr_t)arg; /* 1-based: job 0 is the caller's */
+    unsigned long seen = pool.born[id]; /* not the ticket now: it may already be our first dispatch */
+    for (;;) {
+        unsigned long t;
+        int spins = 0;
+        while ((t = atomic_load_explicit(&pool.ticket, memory_order_acquire)) == seen && spins < POOL_SPIN) spins++;
+        if (t == seen) {
+            pthread_mutex_lock(&pool.wake_mu);
+            while ((t = atomic_load(&pool.ticket)) == seen) pthread_cond_wait(&pool.wake, &pool.wake_mu);
+            pthread_mutex_unlock(&pool.wake_mu);
+        }
+        seen = t;
+        /* a job of this dispatch is ours: the dispatch cannot end (nor the next one rewrite fn and
+         * jobs) before we are done with it. A dispatch we missed did not need us. */
+        if (id < (t & 31)) {
+            pool.fn(pool.jobs + id * pool.size);
+            atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
+        }
+    }
+    return NULL;
+}
+
+/* Run jobs[0..n) (each `size` bytes) with `fn`: job 0 on the calling thread, the others on the
+ * pool's workers (on threads of their own when another caller has the pool; inline when a thread
+ * cannot be created). */
 static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int n) {
+    if (n > 1 && pthread_mutex_trylock(&pool.lock) == 0) {
+        while (pool.started < n - 1 && pool.started < POOL_MAX) {
+            pthread_t tid;
+            pool.born[pool.started + 1] = atomic_load(&pool.ticket);
+            if (pthread_create(&tid, NULL, pool_worker, (void *)(intptr_t)(pool.started + 1)) != 0) break;
+            pthread_detach(tid);
+            pool.started++;
+        }
+        const int m = n - 1 < pool.started ? n : pool.started + 1; /* jobs the workers can take */
+        pool.fn = fn; pool.jobs = jobs; pool.size = size;
+        atomic_store(&pool.pending, m - 1);
+        pthread_mutex_lock(&pool.wake_mu);
+        const unsigned long next = ((atomic_load(&pool.ticket) >> 5) + 1) << 5;
+        atomic_store_explicit(&pool.ticket, next | (unsigned long)m, memory_order_release);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.wake_mu);
+        fn(jobs);
+        for (int t = m; t < n; t++) fn((char *)jobs + t * size);
+        while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) sched_yield();
+        pthread_mutex_unlock(&pool.lock);
+        return;
+    }
     pthread_t tid[16];
     int started[16] = {0};
     for (int t = 1; t < n; t++) started[t] = pthread_create(&tid[t], NULL, fn, (char *)jobs + t * size) == 0;

@@ -187,6 +187,32 @@ def test_matmul_batch_and_thread_invariant(qtype, rows, seed, threads, cut):
             assert_bitwise(K.matmul(w, prep(x[i:i + 1]))[0], full[i])
 
 
+def test_matmul_threads_from_two_lanes_at_once():
+    """The drafting and verification lanes may both split a matmul over threads at the same time:
+    one borrows the persistent worker pool, the other starts threads of its own. Neither may wait
+    for the other forever, and every product keeps its one-thread bits."""
+    import threading
+
+    w, _ = weight("Q8_0", 896, 4864)
+    xs = [K.quantize_rows(activations(rows, 896, seed=rows)) for rows in (1, 3)]
+    want = [K.matmul(w, x, threads=1) for x in xs]
+    bad = []
+
+    def lane(i: int) -> None:
+        for _ in range(200):
+            for threads in (2, 3):
+                if not np.array_equal(K.matmul(w, xs[i], threads=threads).view(np.uint32), want[i].view(np.uint32)):
+                    bad.append((i, threads))
+
+    lanes = [threading.Thread(target=lane, args=(i,)) for i in (0, 1)]
+    for t in lanes:
+        t.start()
+    for t in lanes:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in lanes), "a lane never came back from a threaded matmul"
+    assert not bad
+
+
 # ---- rmsnorm and swiglu --------------------------------------------------------------
 
 def rmsnorm_reference(x, w, eps):
