@@ -68,8 +68,8 @@ ABLATIONS = (
     ("draft-until-commit", "lever grows the trees it drafts ahead a level at a time until the pass commits, "
                            "instead of to the depth it expects to fit inside the pass (measured: no gain, so "
                            "off by default)"),
-    ("core-borrow", "lever's drafts that the verification lane waits for also use its idle threads (measured: "
-                    "no gain, so off by default)"),
+    ("no-core-borrow", "lever's drafts that the verification lane waits for run on the drafting lane's threads "
+                       "alone, not also on the verification lane's idle ones"),
 )
 
 
@@ -78,7 +78,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
-                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +core-borrow (default "
+                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",

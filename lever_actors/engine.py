@@ -57,11 +57,12 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # ablations: no cross-step drafting; lever without its planner; lever without early-exit pruning; the
 # draft's full LM head instead of its calibrated vocabulary subset; lever drafting to its depth cap every time;
 # lever without free prompt-lookup branches; lever drafting ahead for the main outcome only; lever
-# drafting on after the commit; and the opt-ins that did not pay (README): the draft's runner-up token
-# after the main path as one more outcome, drafting from the early exit's predicted outcome, lever's
-# waited-for drafts also on the verification lane's idle threads, and drafting ahead until the pass commits
+# drafting on after the commit; lever's waited-for drafts on the drafting lane's threads alone (not also
+# the verification lane's idle ones); and the opt-ins that did not pay (README): the draft's runner-up
+# token after the main path as one more outcome, drafting from the early exit's predicted outcome, and
+# drafting ahead until the pass commits
 MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
-              "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "core-borrow")
+              "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -117,7 +118,7 @@ class EngineConfig:
     vocab_trim: bool = True  # the draft's head scores its calibrated vocabulary subset (+ the prompt's tokens)
     adaptive_depth: bool = True  # lever: the gain/cost rule also decides how deep to draft
     ngram: bool = True  # lever: prompt-lookup branches offered to the planner beside the draft's tree
-    core_borrow: bool = False  # lever: a draft the verification lane waits for also uses that lane's threads
+    core_borrow: bool = True  # lever: a draft the verification lane waits for also uses that lane's threads
     multi_outcome: bool = True  # lever: cross-step drafting also for the likeliest early stops, not only the main path
     prompt_cache: int | None = None  # bytes kept for earlier sequences' KV rows (None: what the budget leaves over)
     draft_until_commit: bool = False  # lever: the trees drafted ahead grow until the pass commits, not to a depth cap
@@ -143,7 +144,7 @@ class EngineConfig:
                        commit_cut=self.commit_cut and "no-commit-cut" not in flags,
                        exit_predict=self.exit_predict or "exit-predict" in flags,
                        draft_until_commit=self.draft_until_commit or "draft-until-commit" in flags,
-                       core_borrow=self.core_borrow or "core-borrow" in flags, dram_budget=budget,
+                       core_borrow=self.core_borrow and "no-core-borrow" not in flags, dram_budget=budget,
                        runner_up=self.runner_up or "runner-up" in flags,
                        budget_source=source)
 
@@ -171,7 +172,7 @@ class EngineConfig:
             buckets=_buckets(getattr(args, "buckets", None)), draft_threads=getattr(args, "draft_threads", 1),
             vocab_trim=not getattr(args, "no_vocab_trim", False),
             adaptive_depth=not getattr(args, "no_adaptive_depth", False), ngram=not getattr(args, "no_ngram", False),
-            core_borrow=getattr(args, "core_borrow", False), multi_outcome=not getattr(args, "no_multi_outcome", False),
+            core_borrow=not getattr(args, "no_core_borrow", False), multi_outcome=not getattr(args, "no_multi_outcome", False),
             draft_until_commit=getattr(args, "draft_until_commit", False),
             commit_cut=not getattr(args, "no_commit_cut", False), exit_predict=getattr(args, "exit_predict", False),
             runner_up=getattr(args, "runner_up", False),
@@ -200,8 +201,8 @@ class EngineConfig:
             text += "+exit-predict"
         if self.mode == "lever" and self.overlap and self.draft_until_commit:
             text += "+draft-until-commit"
-        if self.mode == "lever" and self.core_borrow:
-            text += "+core-borrow"
+        if self.mode == "lever" and not self.core_borrow:
+            text += "+no-core-borrow"
         if self.mode == "lever" and self.overlap and self.multi_outcome and self.runner_up:
             text += "+runner-up"
         return text

@@ -97,7 +97,7 @@ def test_a_baseline_whose_full_head_does_not_fit_drafts_over_the_subset(tiny_bun
     assert trio.run(_generate, roomy, target, trimmed_draft, ids, SamplingParams())[3].head.ids is None
 
 
-@pytest.mark.parametrize("mode", ["lever:12", "lever:5+no-adaptive-depth", "lever:8+fixed-tree", "lever:8+core-borrow"])
+@pytest.mark.parametrize("mode", ["lever:12", "lever:5+no-adaptive-depth", "lever:8+fixed-tree", "lever:8+no-core-borrow"])
 def test_greedy_speculation_with_a_subset_head_equals_resident_ar(tiny_bundles, trimmed_draft, mode):
     target = tiny_bundles[0]
     ids = load_tokenizer(target).encode(PROMPT)

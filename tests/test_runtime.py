@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,32 @@ def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundl
     assert ranks[True, True] and all(r[:2] == [0, 1] and not any(r[2:]) for r in ranks[True, True])
     assert ranks[True, False] and not any(any(r) for r in ranks[True, False])
     assert ranks[False, True] == []
+
+
+def test_waited_for_drafts_borrow_the_verification_threads(tiny_bundles, ar_tokens, monkeypatch):
+    """By default a draft the pass waits for runs on the drafting lane's threads and the idle
+    verification lane's; a draft ahead (beside the pass) never borrows them; +no-core-borrow never
+    does. Thread counts change no bit of a product, so nor does it change a token."""
+    import lever_actors.driver
+    from protocols import DraftRequest
+
+    requests = _recording(monkeypatch, DraftRequest, lever_actors.driver)
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="lever", gamma=16, context=CONTEXT, dram_budget=_min_budget(target, draft),
+                       draft_threads=1, flash_bandwidth=20e6)
+    cfg = replace(cfg, lane=replace(cfg.lane, threads=2))
+    threads = {}
+    for mode in ("lever", "lever+no-core-borrow"):
+        requests.clear()
+        toks, _, _ = trio.run(generate, cfg.with_mode(mode, 16), target, draft, ids)
+        assert toks == ar_tokens
+        waited = [r.threads for r in requests if not r.hypotheses and not r.extend]
+        threads[mode] = (waited, [r.threads for r in requests if r.hypotheses])
+    waited, ahead = threads["lever"]
+    assert waited and set(waited) == {3} and ahead and set(ahead) == {0}
+    waited, ahead = threads["lever+no-core-borrow"]
+    assert waited and set(waited) == {0} and set(ahead) == {0}
 
 
 @pytest.mark.parametrize("draft_kind", ["perturbed", "unrelated"])
