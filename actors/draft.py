@@ -8,7 +8,7 @@ import trio
 
 from lever_actors.prune import ALTERNATIVES
 from lever_actors.scratch_tree import ScratchTree
-from protocols import DraftExpansion, DraftRequest, DraftSteer
+from protocols import DraftExpansion, DraftRequest, DraftSteer, LaneGrant
 
 
 class Drafter:
@@ -40,7 +40,7 @@ class Drafter:
     """
 
     def __init__(self, model, requests_recv, out_send, lanes, tracer, head=None, prefix_store=None,
-                 steer_recv=None) -> None:
+                 steer_recv=None, grants_send=None) -> None:
         from lever_actors.draft_vocab import FullHead
         from lever_actors.prefix_cache import PrefixStore
 
@@ -58,6 +58,7 @@ class Drafter:
         self.tree = ScratchTree()  # everything drafted or assumed below the root (node i in KV slot length + i)
         self._column_ids, self._column_at = None, None  # token -> head column, for the head's current ids
         self.steer_recv = steer_recv
+        self.grants_send = grants_send  # LaneGrant to the verifier: this lane idles until the pass commits
         self.steers: list[DraftSteer] = []  # received, for a pass whose cross-step request is still to come
         # steering so far (cumulative): predicted outcomes that arrived while their request still drafted,
         # predictions scored against their commit and those right, trees planted for a prediction
@@ -83,12 +84,29 @@ class Drafter:
         return keep
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with self.requests_recv, self.out_send:
+        from contextlib import AsyncExitStack
+
+        async with self.requests_recv, self.out_send, AsyncExitStack() as stack:
+            if self.grants_send is not None:
+                await stack.enter_async_context(self.grants_send)
             task_status.started()
             async for req in self.requests_recv:
                 steered = self.steer_recv is not None and req.hypotheses and not req.extend
-                for exp in await (self._draft_steered(req) if steered else self.lanes.run("cpu", self.draft, req)):
+                exps = await (self._draft_steered(req) if steered else self.lanes.run("cpu", self.draft, req))
+                if req.hypotheses and not req.levels:  # drafted ahead in full: nothing more before the commit
+                    self._lend(req)  # first: the answers wait in their channel until the pass commits
+                for exp in exps:
                     await self.out_send.send(exp)
+
+    def _lend(self, req: DraftRequest) -> None:
+        """Lend this lane's threads to the verification lane for the rest of the pass drafted beside."""
+        if self.grants_send is None:
+            return
+        try:
+            self.grants_send.send_nowait(LaneGrant(session_id=req.session_id, step=req.step, epoch=0,
+                                                   threads=self.threads))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # advice: the verifier has not drained the last ones (or is gone)
 
     async def _draft_steered(self, req: DraftRequest) -> list[DraftExpansion]:
         """``draft`` one level per lane call, reading the steers that arrived in between."""

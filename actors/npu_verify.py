@@ -9,7 +9,7 @@ import trio
 from lever_actors.planner import bucket_for
 from lever_actors.prune import directly_pruned
 from lever_actors.errors import FlashFault
-from protocols import ExitHidden, LayerReleased, VerifyDone, VerifyPlan
+from protocols import ExitHidden, LaneGrant, LayerReleased, VerifyDone, VerifyPlan
 
 
 class PassAborted(Exception):
@@ -50,7 +50,7 @@ class NpuVerifier:
     def __init__(self, target, streamed: list[int], pinned_sessions: dict, head_sessions, plans_recv, done_send,
                  ready_recv, released_send, pool, lanes, tracer, abort_recv, lookahead: int = 1,
                  exits_send=None, masks_recv=None, hidden=None, buckets: tuple[int, ...] = (),
-                 prefix_store=None) -> None:
+                 prefix_store=None, grants_recv=None) -> None:
         from lever_actors.prefix_cache import PrefixStore
 
         self.m = target  # lever_actors.model.Transformer without resident layers
@@ -83,13 +83,15 @@ class NpuVerifier:
         self.exits_send, self.masks_recv, self.hidden = exits_send, masks_recv, hidden  # the pruner's link
         self.buckets = buckets  # static token shapes: a pass (and its survivors) is padded up to one
         self.padded_rows = 0  # ghost rows computed so far (the price of static shapes)
+        # the drafter's LaneGrants: its idle threads, lent for the rest of the pass it drafted beside
+        self.grants_recv, self.own_threads, self.lent_passes = grants_recv, target.lane.threads, 0
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from contextlib import AsyncExitStack
 
         async with AsyncExitStack() as stack:
             for end in (self.plans_recv, self.done_send, self.ready_recv, self.released_send, self.built_recv,
-                        self.exits_send, self.masks_recv):
+                        self.exits_send, self.masks_recv, self.grants_recv):
                 if end is not None:
                     await stack.enter_async_context(end)
             await self._serve(task_status)
@@ -117,6 +119,25 @@ class NpuVerifier:
                 break
             self.aborted_sessions.add(msg.session_id)
         return session_id in self.aborted_sessions
+
+    def _use_threads(self, n: int) -> None:
+        """Kernel threads of the stages still to run (native sessions read them per call)."""
+        from dataclasses import replace
+
+        if self.m.lane.threads != n:
+            self.m.lane = replace(self.m.lane, threads=n)
+
+    def _take_grants(self, plan: VerifyPlan) -> None:
+        """Between stages: a grant for this pass (the drafter answered the request of step
+        ``plan.step + 1`` and idles until this pass commits) adds its threads; others are stale."""
+        while self.grants_recv is not None:
+            try:
+                g = self.grants_recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            if (g.session_id, g.step) == (plan.session_id, plan.step + 1) and not plan.prefill:
+                self._use_threads(self.own_threads + g.threads)
+                self.lent_passes += 1
 
     def _build(self, stage: int, slot: int):
         t0 = time.perf_counter()
@@ -228,8 +249,9 @@ class NpuVerifier:
         prune = None
         if plan.exit_layers and not plan.prefill and self.exits_send is not None:
             prune = {"plan": plan, "alive": np.ones(n, bool), "pruned": []}
+        self._use_threads(self.own_threads)  # a grant lasts one pass
         try:
-            await self._stages(x, feeds_list, slots_list, rows, head_parts, acc, plan.session_id, prune)
+            await self._stages(x, feeds_list, slots_list, rows, head_parts, acc, plan, prune)
         except FlashFault as exc:  # this pass is lost, the verifier is not: the driver fails the request
             self.faults += 1
             return VerifyDone(session_id=plan.session_id, step=plan.step, epoch=plan.epoch,
@@ -240,6 +262,7 @@ class NpuVerifier:
             for slot in list(self.taken):  # cancelled or aborted mid-pass: its slots go back
                 self.taken.discard(slot)
                 self._release_held(slot)
+            self._use_threads(self.own_threads)
         compute_s, wait_s, bytes_read = acc["compute_s"], acc["wait_s"], acc["bytes_read"]
         if self.streamed and not self.m.native:
             from lever_actors.ortrt import release_freed_memory
@@ -282,7 +305,7 @@ class NpuVerifier:
             self._release_held(msg.slot)
             self.skipped += 1
 
-    async def _stages(self, x, feeds_list, slots_list, rows, head_parts, acc, session_id: int, prune=None) -> None:
+    async def _stages(self, x, feeds_list, slots_list, rows, head_parts, acc, plan: VerifyPlan, prune=None) -> None:
         """Run every stage in order: pinned ones directly, streamed ones as their sessions arrive.
 
         After an exit layer of the plan the pruner decides which nodes go on; later
@@ -290,8 +313,9 @@ class NpuVerifier:
         """
         first_streamed = self.streamed[0] if self.streamed else None
         for stage in range(self.stage_count):
-            if self._is_aborted(session_id):
-                raise PassAborted(session_id)
+            if self._is_aborted(plan.session_id):
+                raise PassAborted(plan.session_id)
+            self._take_grants(plan)
             msg = None
             if stage in self.pinned:
                 sess = self.pinned[stage]

@@ -31,11 +31,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="DRAM kept for copies of earlier sequences' KV rows, so a prompt that continues any "
                         "recent conversation (not only the last one) skips its shared prefix: a size, 0 (off) "
                         "or auto (default: what the DRAM budget leaves over; 256MiB without a budget)")
-    g.add_argument("--threads", type=int, default=1, metavar="N",
-                   help="threads of the verification lane's kernels (default 1; the draft and flash lanes "
-                        "use the other core)")
-    g.add_argument("--draft-threads", type=int, default=1, metavar="N",
-                   help="threads of the drafting lane's kernels (default 1)")
+    g.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="threads of the verification lane's kernels (default: every core when it runs alone, "
+                        "i.e. without a draft or without drafting ahead; else 1, the draft using another, and "
+                        "lever lends each lane's core to the other while it idles)")
+    g.add_argument("--draft-threads", type=int, default=None, metavar="N",
+                   help="threads of the drafting lane's kernels (default: every core when drafting and "
+                        "verification take turns (+no-overlap), else 1)")
     g.add_argument("--precision", choices=("int8", "fp32"), default="int8",
                    help="activation precision: int8 (default; fast, batch-invariant, lossless speculation) "
                         "or fp32 (reference numerics, slow, not batch-invariant)")
@@ -70,6 +72,8 @@ ABLATIONS = (
                            "off by default)"),
     ("no-core-borrow", "lever's drafts that the verification lane waits for run on the drafting lane's threads "
                        "alone, not also on the verification lane's idle ones"),
+    ("no-core-lend", "the rest of a lever pass runs on the verification lane's threads alone, not also on the "
+                     "drafting lane's once the drafts ahead are done"),
 )
 
 
@@ -78,7 +82,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
-                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow (default "
+                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",

@@ -250,7 +250,9 @@ class Pipeline:
                 "streamed_layers": list(self.plan.streamed), "head_streamed": self.plan.head_streamed,
                 "stream_slots": self.plan.n_slots, "budget": self.plan.describe(),
                 "direct_io": self.prefetcher.direct, "prune": self.prune_note, "draft_vocab": self.vocab_note,
-                "budget_source": getattr(self.cfg, "budget_source", "")}
+                "budget_source": getattr(self.cfg, "budget_source", ""),
+                "threads": {"verify": self.target.lane.threads,
+                            "draft": self.drafter.threads if self.drafter is not None else 0}}
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, emit, *,
                        cache_prompt: bool = True) -> tuple[list[int], str, dict]:

@@ -58,11 +58,12 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # draft's full LM head instead of its calibrated vocabulary subset; lever drafting to its depth cap every time;
 # lever without free prompt-lookup branches; lever drafting ahead for the main outcome only; lever
 # drafting on after the commit; lever's waited-for drafts on the drafting lane's threads alone (not also
-# the verification lane's idle ones); and the opt-ins that did not pay (README): the draft's runner-up
+# the verification lane's idle ones); the rest of a pass on the verification lane's threads alone (not
+# also the drafting lane's, idle once the drafts ahead are done); and the opt-ins that did not pay (README): the draft's runner-up
 # token after the main path as one more outcome, drafting from the early exit's predicted outcome, and
 # drafting ahead until the pass commits
 MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
-              "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow")
+              "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow", "no-core-lend")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -114,11 +115,13 @@ class EngineConfig:
     prune_layer: int | None = None  # None: the calibrated exit layer
     prune_threshold: float | None = None  # None: the calibrated threshold
     draft_threads: int = 1  # threads of the drafting lane's kernels
+    auto_threads: bool = False  # neither was given: a lane that runs alone takes every core (runtime.lane_threads)
     buckets: tuple[int, ...] = ()  # static token shapes of verification passes (() = exact sizes, the CPU default)
     vocab_trim: bool = True  # the draft's head scores its calibrated vocabulary subset (+ the prompt's tokens)
     adaptive_depth: bool = True  # lever: the gain/cost rule also decides how deep to draft
     ngram: bool = True  # lever: prompt-lookup branches offered to the planner beside the draft's tree
     core_borrow: bool = True  # lever: a draft the verification lane waits for also uses that lane's threads
+    core_lend: bool = True  # lever: once the drafts ahead are done, the rest of the pass also uses the drafting lane's
     multi_outcome: bool = True  # lever: cross-step drafting also for the likeliest early stops, not only the main path
     prompt_cache: int | None = None  # bytes kept for earlier sequences' KV rows (None: what the budget leaves over)
     draft_until_commit: bool = False  # lever: the trees drafted ahead grow until the pass commits, not to a depth cap
@@ -144,7 +147,8 @@ class EngineConfig:
                        commit_cut=self.commit_cut and "no-commit-cut" not in flags,
                        exit_predict=self.exit_predict or "exit-predict" in flags,
                        draft_until_commit=self.draft_until_commit or "draft-until-commit" in flags,
-                       core_borrow=self.core_borrow and "no-core-borrow" not in flags, dram_budget=budget,
+                       core_borrow=self.core_borrow and "no-core-borrow" not in flags,
+                       core_lend=self.core_lend and "no-core-lend" not in flags, dram_budget=budget,
                        runner_up=self.runner_up or "runner-up" in flags,
                        budget_source=source)
 
@@ -154,25 +158,27 @@ class EngineConfig:
         mode, gamma = parse_mode(mode_text, getattr(args, "gamma", None))
         if args.context < 16:
             raise ConfigError(f"--context must be at least 16, got {args.context}")
-        if args.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-        if getattr(args, "draft_threads", 1) < 1:
-            raise ConfigError(f"--draft-threads must be >= 1, got {args.draft_threads}")
+        threads, draft_threads = getattr(args, "threads", None), getattr(args, "draft_threads", None)
+        if threads is not None and threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {threads}")
+        if draft_threads is not None and draft_threads < 1:
+            raise ConfigError(f"--draft-threads must be >= 1, got {draft_threads}")
         bw = getattr(args, "flash_bandwidth", None)
         budget, source = budget_with_source(mode, getattr(args, "dram_budget", None))
         return cls(
             target=args.target, draft=args.draft, mode=mode, gamma=gamma, model=getattr(args, "model", "target"),
             context=args.context, dram_budget=budget, budget_source=source,
             flash_bandwidth=parse_size(bw) if bw else None,
-            lane=LaneConfig(threads=args.threads, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
+            lane=LaneConfig(threads=threads or 1, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
                             precision=args.precision),
             trace=getattr(args, "trace", None), overlap=not getattr(args, "no_overlap", False),
             fixed_tree=getattr(args, "fixed_tree", False), prune=not getattr(args, "no_prune", False),
             prune_layer=getattr(args, "prune_layer", None), prune_threshold=getattr(args, "prune_threshold", None),
-            buckets=_buckets(getattr(args, "buckets", None)), draft_threads=getattr(args, "draft_threads", 1),
+            buckets=_buckets(getattr(args, "buckets", None)), draft_threads=draft_threads or 1,
+            auto_threads=threads is None and draft_threads is None,
             vocab_trim=not getattr(args, "no_vocab_trim", False),
             adaptive_depth=not getattr(args, "no_adaptive_depth", False), ngram=not getattr(args, "no_ngram", False),
-            core_borrow=not getattr(args, "no_core_borrow", False), multi_outcome=not getattr(args, "no_multi_outcome", False),
+            core_borrow=not getattr(args, "no_core_borrow", False), core_lend=not getattr(args, "no_core_lend", False), multi_outcome=not getattr(args, "no_multi_outcome", False),
             draft_until_commit=getattr(args, "draft_until_commit", False),
             commit_cut=not getattr(args, "no_commit_cut", False), exit_predict=getattr(args, "exit_predict", False),
             runner_up=getattr(args, "runner_up", False),
@@ -203,6 +209,8 @@ class EngineConfig:
             text += "+draft-until-commit"
         if self.mode == "lever" and not self.core_borrow:
             text += "+no-core-borrow"
+        if self.mode == "lever" and self.overlap and not self.core_lend:
+            text += "+no-core-lend"
         if self.mode == "lever" and self.overlap and self.multi_outcome and self.runner_up:
             text += "+runner-up"
         return text

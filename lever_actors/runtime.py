@@ -13,8 +13,10 @@ frees up.
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +41,10 @@ from lever_actors.trace import TRACE_FILE_EVENTS, Tracer
 # every link carries at most one message per pass; 1 is enough and keeps
 # backpressure tight. The release link is sized to the pool (see FlashPrefetcher).
 CHANNELS = {"ready": 1, "plans": 1, "done": 1, "commits": 1, "stats": 1, "draft_requests": 1, "drafts": 1,
-            "exits": 1, "masks": 1, "steers": 4}
+            "exits": 1, "masks": 1, "steers": 4, "grants": 4}
 # steers (pruner and driver -> drafter) are advice sent without waiting: a pass sends at most two
-# (the predicted outcome, then the commit), and the drafter drains them between draft calls
+# (the predicted outcome, then the commit), and the drafter drains them between draft calls; so are
+# grants (drafter -> verifier, at most one a pass), which the verifier drains between layers
 
 # +exit-predict: the early exit for outcome prediction, after this share of the target's layers (layer
 # 24 of 28). On HumanEval 0-79 the lens's predicted outcome was right in 1 of 16 passes that a layer
@@ -88,8 +91,6 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
     plan = plan_budget(budget, items, target.layer_bytes(), [r.nbytes for r in target.head_chunks],
                        in_place=target.layout == "native")
     if budget is not None and cfg.context != TRADE_CONTEXT:  # say what the context length costs
-        from dataclasses import replace
-
         base_cfg = replace(cfg, context=TRADE_CONTEXT)
         try:
             base = build_budget(base_cfg, target, draft_bundle, draft_bytes, extra)
@@ -112,8 +113,6 @@ def with_prompt_cache(plan: BudgetPlan, cfg, target, draft) -> tuple[BudgetPlan,
     """The plan with its ``prompt_cache`` line item: copies of earlier sequences' KV rows
     (``lever_actors.prefix_cache``), sized by ``cfg.prompt_cache`` or, by default, what the budget
     leaves over; split between the models by their bytes per position. Returns (plan, bytes per model)."""
-    from dataclasses import replace
-
     if cfg.prompt_cache is not None:
         total = cfg.prompt_cache
         if plan.budget is not None and plan.total + total > plan.budget:
@@ -206,6 +205,37 @@ def steering(cfg) -> bool:
     return cfg.mode == "lever" and cfg.overlap and not cfg.draft_until_commit and (cfg.commit_cut or cfg.exit_predict)
 
 
+def available_cores() -> int:
+    """CPUs this process may run on: its affinity, within its cgroup's CPU quota when one is set."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, min(cores, 16))  # the kernels split a call over at most 16 threads
+
+
+def lane_threads(cfg) -> tuple[int, int]:
+    """Kernel threads of the verification and drafting lanes. As given by --threads / --draft-threads;
+    by default a lane that never runs beside the other takes every core: the target of a mode without
+    a draft, and both lanes of a mode that does not draft ahead (they take turns). Lanes that run side
+    by side keep one core each; lever lends each one's core to the other while it idles."""
+    if not cfg.auto_threads:
+        return cfg.lane.threads, cfg.draft_threads
+    if not cfg.drafted:
+        return available_cores(), cfg.draft_threads
+    if not cfg.overlap:
+        return available_cores(), available_cores()
+    return cfg.lane.threads, cfg.draft_threads
+
+
+def lending(cfg) -> bool:
+    """Whether lever's drafter lends its idle core to the verification lane for the rest of a pass."""
+    return cfg.mode == "lever" and cfg.overlap and not cfg.draft_until_commit and cfg.core_lend
+
+
 @asynccontextmanager
 async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: set[int], tracer: Tracer | None = None,
                         lanes=None, channels: dict | None = None, prune_exits: tuple[int, ...] | None = None,
@@ -240,7 +270,8 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         from lever_actors.prune import HeadRows
 
         head_rows = HeadRows(tb, **({} if exits else {"cache_rows": PREDICT_HEAD_ROWS}))
-    draft_lane = LaneConfig(threads=cfg.draft_threads, providers=cfg.lane.providers, precision=cfg.lane.precision)
+    verify_threads, draft_threads = lane_threads(cfg)
+    draft_lane = LaneConfig(threads=draft_threads, providers=cfg.lane.providers, precision=cfg.lane.precision)
     subset_head, vocab_note = draft_head(cfg, db, draft_lane) if db is not None else (None, "no draft")
     extra = {"prune_head_rows": head_rows.cache_bytes} if head_rows is not None else None
     try:
@@ -253,7 +284,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
             raise
         plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head), extra)
     plan, store_bytes = with_prompt_cache(plan, cfg, tb, db)
-    lane = cfg.lane
+    lane = replace(cfg.lane, threads=verify_threads)
     target = await trio.to_thread.run_sync(
         lambda: Transformer(tb, cfg.context, lane, resident_layers=list(plan.pinned), load_head=not plan.head_streamed))
     drafter_model = None
@@ -281,6 +312,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         prefetcher = FlashPrefetcher(stages, pool, files, ready_send, rel_recv, lanes, tracer, cfg.flash_bandwidth)
         pruner = None
         steer_send, steer_recv = trio.open_memory_channel(caps["steers"]) if steering(cfg) else (None, None)
+        grant_send, grant_recv = trio.open_memory_channel(caps["grants"]) if lending(cfg) else (None, None)
         if head_rows is not None:
             from actors.prune import CpuPruner
             from lever_actors.handles import HandleTable
@@ -296,6 +328,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         verifier = NpuVerifier(target, [s.stage for s in stages], target.resident, target.head_sessions,
                                plan_recv, done_send, ready_recv, rel_send, pool, lanes, tracer, abort_recv,
                                buckets=cfg.buckets, prefix_store=PrefixStore(store_bytes["target"]),
+                               grants_recv=grant_recv,
                                **({"exits_send": exits_send, "masks_recv": masks_recv, "hidden": hidden}
                                   if pruner is not None else {}))
         acceptor = Acceptor(done_recv, commit_send, stats_send, tracer)
@@ -315,7 +348,8 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
                 dreq_send, dreq_recv = trio.open_memory_channel(caps["draft_requests"])
                 dout_send, dout_recv = trio.open_memory_channel(caps["drafts"])
                 drafter = Drafter(drafter_model, dreq_recv, dout_send, lanes, tracer, head=subset_head,
-                                  prefix_store=PrefixStore(store_bytes["draft"]), steer_recv=steer_recv)
+                                  prefix_store=PrefixStore(store_bytes["draft"]), steer_recv=steer_recv,
+                                  grants_send=grant_send)
                 await nursery.start(drafter.run)
                 pipe.drafter, pipe.draft_send, pipe.draft_recv = drafter, dreq_send, dout_recv
             pipe.plan_send, pipe.commit_recv, pipe.stats_recv = plan_send, commit_recv, stats_recv

@@ -285,6 +285,22 @@ class DraftSteer(PipelineMessage):
 
 @register
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LaneGrant(PipelineMessage):
+    """Drafter -> NpuVerifier: the drafting lane is idle until the pass of step ``step - 1``
+    commits. The drafter sends it when it has answered its cross-step request (step ``step``) and
+    nothing more is asked of it before that commit; the verifier may run the rest of that one pass
+    on ``threads`` more kernel threads. A grant for any other pass is ignored (the next pass starts
+    with a new cross-step request: the drafting core is busy again)."""
+    KIND: ClassVar[str] = "lane.grant"
+    VERSION: ClassVar[int] = 1
+    threads: int
+
+    def _check(self) -> None:
+        _non_negative(self, "threads")
+
+
+@register
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DraftExpansion(PipelineMessage):
     """Drafter -> TreePlanner: candidate nodes below the (implicit) root.
 

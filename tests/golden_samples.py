@@ -15,6 +15,7 @@ from protocols import (
     DraftExpansion,
     DraftRequest,
     DraftSteer,
+    LaneGrant,
     ExitHidden,
     LayerReady,
     LayerReleased,
@@ -50,6 +51,7 @@ _SAMPLE_LIST: list[Message] = [
         alternatives=np.array([[198, 220], [262, 1_000], [13, 11], [151_645, 5], [7, 8], [9, 10]], dtype=np.int32),
         assumed=(198, 220, 151_643), hypothesis=1, of=2, growing=True),
     DraftSteer(**_HEADER, path=(198, 220), next_token=262, final=True, max_depth=3, min_path_p=0.25),
+    LaneGrant(**_HEADER, threads=1),
     VerifyPlan(
         **_HEADER, position=128, tokens=_i32(151_643, 198, 220, 262),
         parents=_i32(-1, 0, 0, 1), depths=_i32(0, 1, 1, 2), bucket=4, exit_layers=(8, 16),

@@ -131,11 +131,14 @@ def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundl
     assert ranks[False, True] == []
 
 
-def test_waited_for_drafts_borrow_the_verification_threads(tiny_bundles, ar_tokens, monkeypatch):
+def test_idle_lanes_lend_their_threads(tiny_bundles, ar_tokens, monkeypatch):
     """By default a draft the pass waits for runs on the drafting lane's threads and the idle
     verification lane's; a draft ahead (beside the pass) never borrows them; +no-core-borrow never
-    does. Thread counts change no bit of a product, so nor does it change a token."""
+    does. The other way round, once the drafts ahead are in, the drafter lends its threads to the
+    rest of that one pass (never with +no-core-lend), and every pass starts on the verification
+    lane's own. Thread counts change no bit of a product, so nor do they change a token."""
     import lever_actors.driver
+    from actors.npu_verify import NpuVerifier
     from protocols import DraftRequest
 
     requests = _recording(monkeypatch, DraftRequest, lever_actors.driver)
@@ -144,17 +147,23 @@ def test_waited_for_drafts_borrow_the_verification_threads(tiny_bundles, ar_toke
     cfg = EngineConfig(mode="lever", gamma=16, context=CONTEXT, dram_budget=_min_budget(target, draft),
                        draft_threads=1, flash_bandwidth=20e6)
     cfg = replace(cfg, lane=replace(cfg.lane, threads=2))
-    threads = {}
-    for mode in ("lever", "lever+no-core-borrow"):
+    verify_threads, own = [], NpuVerifier._use_threads
+    monkeypatch.setattr(NpuVerifier, "_use_threads", lambda self, n: (verify_threads.append(n), own(self, n)))
+    threads, lent = {}, {}
+    for mode in ("lever", "lever+no-core-borrow", "lever+no-core-lend"):
         requests.clear()
-        toks, _, _ = trio.run(generate, cfg.with_mode(mode, 16), target, draft, ids)
+        toks, stats, pipe = trio.run(generate, cfg.with_mode(mode, 16), target, draft, ids)
         assert toks == ar_tokens
         waited = [r.threads for r in requests if not r.hypotheses and not r.extend]
         threads[mode] = (waited, [r.threads for r in requests if r.hypotheses])
+        lent[mode] = pipe.verifier.lent_passes
+        assert pipe.verifier.m.lane.threads == 2  # back to its own after the last pass
     waited, ahead = threads["lever"]
     assert waited and set(waited) == {3} and ahead and set(ahead) == {0}
     waited, ahead = threads["lever+no-core-borrow"]
     assert waited and set(waited) == {0} and set(ahead) == {0}
+    assert lent["lever"] > 0 and lent["lever+no-core-borrow"] > 0 and lent["lever+no-core-lend"] == 0
+    assert 3 in verify_threads and set(verify_threads) == {2, 3}
 
 
 @pytest.mark.parametrize("draft_kind", ["perturbed", "unrelated"])
