@@ -513,6 +513,28 @@ def test_lane_threads_are_configuration(tiny_bundles, ar_tokens):
     assert pipe.drafter.m.lane.threads == 2 and pipe.target.lane.threads == cfg.lane.threads == 1
 
 
+def test_lanes_that_run_alone_take_every_core_by_default(monkeypatch):
+    """With neither --threads nor --draft-threads, a lane that never runs beside the other takes every
+    core: the target without a draft, and both lanes when they take turns (+no-overlap). Pipelined
+    lanes keep one each (they lend idle cores per draft or pass), and given counts are kept."""
+    import lever_actors.runtime as rt
+    from lever_actors.cli import build_parser
+
+    monkeypatch.setattr(rt, "available_cores", lambda: 4)
+
+    def threads(*argv):
+        args = build_parser().parse_args(["generate", "x", *argv])
+        return rt.lane_threads(EngineConfig.from_args(args))
+
+    assert threads("--mode", "resident-ar") == (4, 1)
+    assert threads("--mode", "flash-ar") == (4, 1)
+    assert threads("--mode", "flash-chain:8+no-overlap") == (4, 4)
+    assert threads("--mode", "flash-chain:8") == (1, 1)
+    assert threads("--mode", "lever") == (1, 1)
+    assert threads("--mode", "flash-ar", "--threads", "2") == (2, 1)
+    assert threads("--mode", "flash-chain:8+no-overlap", "--draft-threads", "3") == (1, 3)
+
+
 @pytest.mark.parametrize("draft_kind", ["perturbed", "unrelated"])
 def test_lever_with_prompt_lookup_branches_is_lossless(tiny_bundles, unrelated_draft, draft_kind):
     """A repetitive prompt gives the planner free n-gram nodes; whatever it verifies, the output is the target's."""
