@@ -66,13 +66,10 @@ class Drafter:
         self._predictions: dict[tuple[int, int], DraftSteer] = {}  # (session, pass) -> its prediction, until its commit
 
     def _use_threads(self, n: int) -> None:
-        """Kernel threads of this draft (native kernels take them per call; ORT sessions keep theirs)."""
-        from dataclasses import replace
-
-        if self.m.lane.threads != n:
-            self.m.lane = replace(self.m.lane, threads=n)
-            if hasattr(self.head, "lane"):
-                self.head.lane = self.m.lane
+        """Kernel threads of this draft (its own, or borrowed from the idle verification lane)."""
+        self.m.use_threads(n)
+        if hasattr(self.head, "lane"):
+            self.head.lane = self.m.lane
 
     def reset(self, sequence: list[int], reuse: bool = True) -> int:
         """Start the new sequence ``sequence``; with ``reuse``, keep the rows of the longest prefix it

@@ -121,11 +121,8 @@ class NpuVerifier:
         return session_id in self.aborted_sessions
 
     def _use_threads(self, n: int) -> None:
-        """Kernel threads of the stages still to run (native sessions read them per call)."""
-        from dataclasses import replace
-
-        if self.m.lane.threads != n:
-            self.m.lane = replace(self.m.lane, threads=n)
+        """Kernel threads of the stages still to run (its own, or lent by the idle drafting lane)."""
+        self.m.use_threads(n)
 
     def _take_grants(self, plan: VerifyPlan) -> None:
         """Between stages: a grant for this pass (the drafter answered the request of step

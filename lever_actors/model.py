@@ -296,6 +296,14 @@ class Transformer:
             self.resident[i] = self.layer_session_from_buffer(i, buf)
             self.resident_bytes += self.regions[i].nbytes
 
+    def use_threads(self, n: int) -> None:
+        """Kernel threads of the calls from now on: native kernels take them per call (ORT sessions
+        keep the threads they were made with). A lane lends or borrows an idle core this way."""
+        from dataclasses import replace
+
+        if self.lane.threads != n:
+            self.lane = replace(self.lane, threads=n)
+
     def head_session_from_buffer(self, chunk: int, buf) -> object:
         """The computation of one head slice; a native one keeps ``buf`` (no copy)."""
         region = self.head_regions[chunk]
