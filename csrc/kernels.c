@@ -129,18 +129,53 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t
  * the way llama.cpp's AVX2 vec_dot splits it: lane l holds bytes 4l..4l+3 of every 32-element
  * run. Its float accumulation then follows those lanes, which is what keeps our greedy
  * output on llama.cpp's near-ties. */
+#ifdef LEVER_AVX2
+/* Run c (32 bytes) of a Q4_K block's codes: its low nibbles and its high nibbles, 32 each. */
+static inline void unpack_q4k_run_avx2(const uint8_t *qs, int c, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+    *lo = _mm256_and_si256(v, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+}
+
+/* Run c's share of the eight lanes: its codes against activations a[64c .. 64c+64). */
+static inline __m256i dot_q4k_run_avx2(__m256i lo, __m256i hi, const uint8_t *sc, const int8_t *a, int c) {
+    const __m256i a0 = _mm256_loadu_si256((const __m256i *)(a + 64 * c));
+    const __m256i a1 = _mm256_loadu_si256((const __m256i *)(a + 64 * c + 32));
+    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_set1_epi16(sc[2 * c]));
+    const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), _mm256_set1_epi16(sc[2 * c + 1]));
+    return _mm256_add_epi32(p0, p1);
+}
+
+/* Half h (128 codes) of a Q6_K block as four registers of 6-bit codes, before the -32 offset. */
+static inline void unpack_q6k_half_avx2(const uint8_t *ql, const uint8_t *qh, int h, __m256i *q) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    const uint8_t *l = ql + 64 * h;
+    const __m256i vl0 = _mm256_loadu_si256((const __m256i *)l), vl1 = _mm256_loadu_si256((const __m256i *)(l + 32));
+    const __m256i vh = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(vl0, m4), _mm256_slli_epi16(_mm256_and_si256(vh, m2), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(vl1, m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2), m2), 4));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl0, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), m2), 4));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl1, 4), m4),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
+}
+
+/* The two Q6_K scales of register r of half h, one per 128-bit lane. */
+static inline __m256i q6k_scales_avx2(const int8_t *sc, int h, int r) {
+    const int j = 8 * h + 2 * r;
+    return _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+}
+#endif
+
 static inline void lanes_q4k(const uint8_t *qs, const uint8_t *sc, const int8_t *a, int32_t *lane) {
 #ifdef LEVER_AVX2
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256i acc = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        __m256i a0 = _mm256_loadu_si256((const __m256i *)(a + 64 * c));
-        __m256i a1 = _mm256_loadu_si256((const __m256i *)(a + 64 * c + 32));
-        __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_set1_epi16(sc[2 * c]));
-        __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), _mm256_set1_epi16(sc[2 * c + 1]));
-        acc = _mm256_add_epi32(acc, _mm256_add_epi32(p0, p1));
+        __m256i lo, hi;
+        unpack_q4k_run_avx2(qs, c, &lo, &hi);
+        acc = _mm256_add_epi32(acc, dot_q4k_run_avx2(lo, hi, sc, a, c));
     }
     _mm256_storeu_si256((__m256i *)lane, acc);
 #else
@@ -160,25 +195,13 @@ static inline void lanes_q4k(const uint8_t *qs, const uint8_t *sc, const int8_t 
 /* As lanes_q4k for Q6_K, before the -32 offset (the caller subtracts it per lane pair) */
 static inline void lanes_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *a, int32_t *lane) {
 #ifdef LEVER_AVX2
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
     __m256i acc = _mm256_setzero_si256();
     for (int h = 0; h < 2; h++) {
-        const uint8_t *l = ql + 64 * h;
-        __m256i vl0 = _mm256_loadu_si256((const __m256i *)l), vl1 = _mm256_loadu_si256((const __m256i *)(l + 32));
-        __m256i vh = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
         __m256i q[4];
-        q[0] = _mm256_or_si256(_mm256_and_si256(vl0, m4), _mm256_slli_epi16(_mm256_and_si256(vh, m2), 4));
-        q[1] = _mm256_or_si256(_mm256_and_si256(vl1, m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2), m2), 4));
-        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl0, 4), m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), m2), 4));
-        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl1, 4), m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
+        unpack_q6k_half_avx2(ql, qh, h, q);
         for (int r = 0; r < 4; r++) {
-            int j = 8 * h + 2 * r;
             __m256i av = _mm256_loadu_si256((const __m256i *)(a + 128 * h + 32 * r));
-            __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], av), s));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], av), q6k_scales_avx2(sc, h, r)));
         }
     }
     _mm256_storeu_si256((__m256i *)lane, acc);
@@ -601,26 +624,15 @@ static void block_q4k_avx2(const uint8_t *b, int64_t s, int64_t k, int64_t n, co
     const float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
     uint8_t sc[8], mn[8];
     q4k_scale_min(b + 4, sc, mn);
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256i lo[4], hi[4];
-    for (int c = 0; c < 4; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-        lo[c] = _mm256_and_si256(v, m4);
-        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    }
+    for (int c = 0; c < 4; c++) unpack_q4k_run_avx2(b + 16, c, &lo[c], &hi[c]);
     for (int64_t i = 0; i < n; i++) {
         const int8_t *a = q + i * k + s * QK;
         const int32_t *bs = bsums + (i * nsb + s) * 16;
         const float dx = d[i * nsb + s];
         float *ai = acc + KLANES * i;
         __m256i lane = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            const __m256i a0 = _mm256_loadu_si256((const __m256i *)(a + 64 * c));
-            const __m256i a1 = _mm256_loadu_si256((const __m256i *)(a + 64 * c + 32));
-            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[c], a0), _mm256_set1_epi16(sc[2 * c]));
-            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[c], a1), _mm256_set1_epi16(sc[2 * c + 1]));
-            lane = _mm256_add_epi32(lane, _mm256_add_epi32(p0, p1));
-        }
+        for (int c = 0; c < 4; c++) lane = _mm256_add_epi32(lane, dot_q4k_run_avx2(lo[c], hi[c], sc, a, c));
         _mm256_storeu_ps(ai, _mm256_fmadd_ps(_mm256_set1_ps(dx * dw), _mm256_cvtepi32_ps(lane), _mm256_loadu_ps(ai)));
         for (int m = 0; m < 4; m++) {
             int32_t p = mn[2 * m] * (bs[4 * m] + bs[4 * m + 1]) + mn[2 * m + 1] * (bs[4 * m + 2] + bs[4 * m + 3]);
@@ -635,20 +647,10 @@ static void block_q6k_avx2(const uint8_t *b, int64_t s, int64_t k, int64_t n, co
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float dw = f16_to_f32(b + 208);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
     __m256i w[8], sv[8];
-    for (int j = 0; j < 8; j++) sv[j] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
     for (int h = 0; h < 2; h++) {
-        const uint8_t *l = ql + 64 * h;
-        const __m256i vl0 = _mm256_loadu_si256((const __m256i *)l), vl1 = _mm256_loadu_si256((const __m256i *)(l + 32));
-        const __m256i vh = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-        w[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(vl0, m4), _mm256_slli_epi16(_mm256_and_si256(vh, m2), 4));
-        w[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(vl1, m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2), m2), 4));
-        w[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl0, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), m2), 4));
-        w[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl1, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
+        unpack_q6k_half_avx2(ql, qh, h, w + 4 * h);
+        for (int r = 0; r < 4; r++) sv[4 * h + r] = q6k_scales_avx2(sc, h, r);
     }
     for (int64_t i = 0; i < n; i++) {
         const int8_t *a = q + i * k + s * QK;
