@@ -59,11 +59,12 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # lever without free prompt-lookup branches; lever drafting ahead for the main outcome only; lever
 # drafting on after the commit; lever's waited-for drafts on the drafting lane's threads alone (not also
 # the verification lane's idle ones); the rest of a pass on the verification lane's threads alone (not
-# also the drafting lane's, idle once the drafts ahead are done); and the opt-ins that did not pay (README): the draft's runner-up
-# token after the main path as one more outcome, drafting from the early exit's predicted outcome, and
-# drafting ahead until the pass commits
+# also the drafting lane's, idle once the drafts ahead are done); and the opt-ins that did not pay
+# (README): the draft's runner-up token after the main path as one more outcome, drafting from the
+# early exit's predicted outcome, and drafting ahead until the pass commits
 MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
-              "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow", "no-core-lend")
+              "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
+              "no-core-lend")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -178,7 +179,8 @@ class EngineConfig:
             auto_threads=threads is None and draft_threads is None,
             vocab_trim=not getattr(args, "no_vocab_trim", False),
             adaptive_depth=not getattr(args, "no_adaptive_depth", False), ngram=not getattr(args, "no_ngram", False),
-            core_borrow=not getattr(args, "no_core_borrow", False), core_lend=not getattr(args, "no_core_lend", False), multi_outcome=not getattr(args, "no_multi_outcome", False),
+            core_borrow=not getattr(args, "no_core_borrow", False), core_lend=not getattr(args, "no_core_lend", False),
+            multi_outcome=not getattr(args, "no_multi_outcome", False),
             draft_until_commit=getattr(args, "draft_until_commit", False),
             commit_cut=not getattr(args, "no_commit_cut", False), exit_predict=getattr(args, "exit_predict", False),
             runner_up=getattr(args, "runner_up", False),
