@@ -90,6 +90,8 @@ class Drafter:
             async for req in self.requests_recv:
                 steered = self.steer_recv is not None and req.hypotheses and not req.extend
                 exps = await (self._draft_steered(req) if steered else self.lanes.run("cpu", self.draft, req))
+                if req.threads:  # borrowed for this draft only: the lane idles on its own threads
+                    self._use_threads(self.threads)
                 if req.hypotheses and not req.levels:  # drafted ahead in full: nothing more before the commit
                     self._lend(req)  # first: the answers wait in their channel until the pass commits
                 for exp in exps:

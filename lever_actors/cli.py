@@ -34,7 +34,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="threads of the verification lane's kernels (default: every core when it runs alone, "
                         "i.e. without a draft or without drafting ahead; else 1, the draft using another, and "
-                        "lever lends each lane's core to the other while it idles)")
+                        "each lane lends its core to the other while it idles)")
     g.add_argument("--draft-threads", type=int, default=None, metavar="N",
                    help="threads of the drafting lane's kernels (default: every core when drafting and "
                         "verification take turns (+no-overlap), else 1)")
@@ -70,10 +70,10 @@ ABLATIONS = (
     ("draft-until-commit", "lever grows the trees it drafts ahead a level at a time until the pass commits, "
                            "instead of to the depth it expects to fit inside the pass (measured: no gain, so "
                            "off by default)"),
-    ("no-core-borrow", "lever's drafts that the verification lane waits for run on the drafting lane's threads "
-                       "alone, not also on the verification lane's idle ones"),
-    ("no-core-lend", "the rest of a lever pass runs on the verification lane's threads alone, not also on the "
-                     "drafting lane's once the drafts ahead are done"),
+    ("no-core-borrow", "drafts that the verification lane waits for run on the drafting lane's threads "
+                       "alone, not also on the verification lane's idle ones (lever and the pipelined chains)"),
+    ("no-core-lend", "the rest of a pass runs on the verification lane's threads alone, not also on the "
+                     "drafting lane's once the drafts ahead are done (lever and the pipelined chains)"),
 )
 
 

@@ -393,8 +393,9 @@ class Pipeline:
     def _draft_limits(self, g: Generation, hidden: bool) -> dict:
         """max_nodes, max_depth and min_path_p of the next draft: fixed for the baselines; for lever the
         gain/cost rule decides how deep drafting pays (hidden behind the pass or waited for)."""
-        # a draft the pass waits for has the verification lane's core idle beside it: borrow it
-        borrow = {} if hidden or not (self.cfg.mode == "lever" and self.cfg.core_borrow) else \
+        # a draft the pass waits for has the verification lane's core idle beside it: borrow it (every
+        # pipelined mode: the chains are baselines of the same machine, with both cores at work)
+        borrow = {} if hidden or not (self.cfg.overlap and self.cfg.core_borrow) else \
             {"threads": self.cfg.draft_threads + self.cfg.lane.threads}
         width = -(-g.draft_cap // g.max_depth)  # nodes per level of the configured shape
         if self.cfg.mode == "lever" and self.cfg.adaptive_depth and not g.params.greedy:

@@ -57,11 +57,12 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # ablations: no cross-step drafting; lever without its planner; lever without early-exit pruning; the
 # draft's full LM head instead of its calibrated vocabulary subset; lever drafting to its depth cap every time;
 # lever without free prompt-lookup branches; lever drafting ahead for the main outcome only; lever
-# drafting on after the commit; lever's waited-for drafts on the drafting lane's threads alone (not also
-# the verification lane's idle ones); the rest of a pass on the verification lane's threads alone (not
-# also the drafting lane's, idle once the drafts ahead are done); and the opt-ins that did not pay
-# (README): the draft's runner-up token after the main path as one more outcome, drafting from the
-# early exit's predicted outcome, and drafting ahead until the pass commits
+# drafting on after the commit; waited-for drafts (lever's and the pipelined chains') on the drafting
+# lane's threads alone (not also the verification lane's idle ones); the rest of a pass on the
+# verification lane's threads alone (not also the drafting lane's, idle once the drafts ahead are
+# done); and the opt-ins that did not pay (README): the draft's runner-up token after the main path as
+# one more outcome, drafting from the early exit's predicted outcome, and drafting ahead until the
+# pass commits
 MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
               "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
               "no-core-lend")
@@ -209,9 +210,9 @@ class EngineConfig:
             text += "+exit-predict"
         if self.mode == "lever" and self.overlap and self.draft_until_commit:
             text += "+draft-until-commit"
-        if self.mode == "lever" and not self.core_borrow:
+        if self.drafted and self.overlap and not self.core_borrow:
             text += "+no-core-borrow"
-        if self.mode == "lever" and self.overlap and not self.core_lend:
+        if self.drafted and self.overlap and not self.core_lend:
             text += "+no-core-lend"
         if self.mode == "lever" and self.overlap and self.multi_outcome and self.runner_up:
             text += "+runner-up"

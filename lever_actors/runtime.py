@@ -221,7 +221,7 @@ def lane_threads(cfg) -> tuple[int, int]:
     """Kernel threads of the verification and drafting lanes. As given by --threads / --draft-threads;
     by default a lane that never runs beside the other takes every core: the target of a mode without
     a draft, and both lanes of a mode that does not draft ahead (they take turns). Lanes that run side
-    by side keep one core each; lever lends each one's core to the other while it idles."""
+    by side keep one core each, and each lends its core to the other while it idles."""
     if not cfg.auto_threads:
         return cfg.lane.threads, cfg.draft_threads
     if not cfg.drafted:
@@ -232,8 +232,9 @@ def lane_threads(cfg) -> tuple[int, int]:
 
 
 def lending(cfg) -> bool:
-    """Whether lever's drafter lends its idle core to the verification lane for the rest of a pass."""
-    return cfg.mode == "lever" and cfg.overlap and not cfg.draft_until_commit and cfg.core_lend
+    """Whether the drafter lends its idle core to the verification lane for the rest of a pass (every
+    mode that drafts beside its passes: lever and the pipelined chains and trees alike)."""
+    return cfg.drafted and cfg.overlap and not cfg.draft_until_commit and cfg.core_lend
 
 
 @asynccontextmanager

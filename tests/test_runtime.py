@@ -132,8 +132,8 @@ def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundl
 
 
 def test_idle_lanes_lend_their_threads(tiny_bundles, ar_tokens, monkeypatch):
-    """By default a draft the pass waits for runs on the drafting lane's threads and the idle
-    verification lane's; a draft ahead (beside the pass) never borrows them; +no-core-borrow never
+    """By default (lever and the pipelined chain alike) a draft the pass waits for runs on the drafting
+    lane's threads and the idle verification lane's; a draft ahead (beside the pass) never borrows them; +no-core-borrow never
     does. The other way round, once the drafts ahead are in, the drafter lends its threads to the
     rest of that one pass (never with +no-core-lend), and every pass starts on the verification
     lane's own. Thread counts change no bit of a product, so nor do they change a token."""
@@ -150,7 +150,7 @@ def test_idle_lanes_lend_their_threads(tiny_bundles, ar_tokens, monkeypatch):
     verify_threads, own = [], NpuVerifier._use_threads
     monkeypatch.setattr(NpuVerifier, "_use_threads", lambda self, n: (verify_threads.append(n), own(self, n)))
     threads, lent = {}, {}
-    for mode in ("lever", "lever+no-core-borrow", "lever+no-core-lend"):
+    for mode in ("lever", "lever+no-core-borrow", "lever+no-core-lend", "flash-chain:4", "flash-chain:4+no-overlap"):
         requests.clear()
         toks, stats, pipe = trio.run(generate, cfg.with_mode(mode, 16), target, draft, ids)
         assert toks == ar_tokens
@@ -163,6 +163,12 @@ def test_idle_lanes_lend_their_threads(tiny_bundles, ar_tokens, monkeypatch):
     waited, ahead = threads["lever+no-core-borrow"]
     assert waited and set(waited) == {0} and set(ahead) == {0}
     assert lent["lever"] > 0 and lent["lever+no-core-borrow"] > 0 and lent["lever+no-core-lend"] == 0
+    # the pipelined chain, a baseline on the same machine, shares its idle cores the same way; lanes
+    # that take turns (+no-overlap) have nothing to lend
+    waited, ahead = threads["flash-chain:4"]
+    assert waited and set(waited) == {3} and ahead and set(ahead) == {0} and lent["flash-chain:4"] > 0
+    waited, ahead = threads["flash-chain:4+no-overlap"]
+    assert waited and set(waited) == {0} and not ahead and lent["flash-chain:4+no-overlap"] == 0
     assert 3 in verify_threads and set(verify_threads) == {2, 3}
 
 
