@@ -80,6 +80,9 @@ def summarize(rows: list[dict]) -> dict:
         # cross-step drafting: how often the tree drafted during a pass was the one needed next
         "spec_hits": sum(r["stats"].get("spec_hits", 0) for r in rows),
         "spec_misses": sum(r["stats"].get("spec_misses", 0) for r in rows),
+        # ... of the misses, those at a stop that was assumed, after which the target chose another token
+        # than the draft's guess (the rest: the pass stopped where no assumption did)
+        "spec_next_token_misses": sum(r["stats"].get("spec_next_token_misses", 0) for r in rows),
         # ... of the hits, those on an early stop of the tree rather than its main path (multi-outcome)
         "spec_early_hits": sum(r["stats"].get("spec_early_hits", 0) for r in rows),
         "spec_runner_up_hits": sum(r["stats"].get("spec_runner_up_hits", 0) for r in rows),

@@ -66,6 +66,7 @@ class RunStats:
     draft_busy_s: float = 0.0  # drafter time spent computing them
     spec_hits: int = 0
     spec_misses: int = 0
+    spec_next_token_misses: int = 0  # ... of the misses, those that stopped where assumed, on another next token
     spec_early_hits: int = 0  # ... of the hits, those on an early stop (multi-outcome), not the main path
     spec_runner_up_hits: int = 0  # ... those on the main path, then the draft's runner-up token
     spec_predicted_hits: int = 0  # ... those on a tree planted for the exit layer's predicted outcome
@@ -90,6 +91,7 @@ class RunStats:
             "flash_bytes_read": self.flash_bytes, "flash_bytes_per_token": self.flash_bytes / max(self.committed, 1),
             "io_s": io_busy_s, "io_wait_s": self.io_wait_s, "compute_s": self.compute_s, "draft_s": self.draft_s,
             "draft_hidden_s": self.draft_hidden_s, "spec_hits": self.spec_hits, "spec_misses": self.spec_misses,
+            "spec_next_token_misses": self.spec_next_token_misses,
             "spec_early_hits": self.spec_early_hits, "spec_runner_up_hits": self.spec_runner_up_hits,
             "spec_predicted_hits": self.spec_predicted_hits,
             "spec_hit_rate": self.spec_hits / (self.spec_hits + self.spec_misses)
@@ -608,6 +610,7 @@ class Pipeline:
         g.spec.settle(list(commit.tokens), exps)
         g.stats.spec_hits, g.stats.spec_misses, g.stats.spec_early_hits = g.spec.hits, g.spec.misses, g.spec.early_hits
         g.stats.spec_predicted_hits, g.stats.spec_runner_up_hits = g.spec.predicted_hits, g.spec.runner_up_hits
+        g.stats.spec_next_token_misses = g.spec.next_token_misses
 
     def _finish(self, g: Generation, finish: str, io_before: int, t_io0: float, t_start: float,
                 t_decode: float, check0: float) -> tuple[list[int], str, dict]:

@@ -83,6 +83,7 @@ class CrossStep:
     ready: object | None = None  # the next tree, drafted under an outcome that held
     hits: int = 0
     misses: int = 0
+    next_token_misses: int = 0  # ... of the misses, those that stopped where assumed but on another next token
     early_hits: int = 0  # hits on an early stop, not the main path accepted whole (multi-outcome)
     runner_up_hits: int = 0  # hits on the main path accepted whole, then the draft's runner-up token
     predicted_hits: int = 0  # hits on a tree the drafter planted for the exit layer's predicted outcome
@@ -119,6 +120,10 @@ class CrossStep:
                 self.early_hits += not main_path_held
         else:
             self.misses += 1  # its drafting ran beside verification: only the guess is lost
+            # where the wait comes from: an outcome nobody assumed, or an assumed stop whose next
+            # token (the draft's guess of the target's) was wrong
+            self.next_token_misses += any(e.assumed and list(e.assumed[:-1]) == list(committed[:-1])
+                                          for e in expansions)
         return hit is not None
 
     def take_ready(self):

@@ -60,6 +60,27 @@ def test_a_miss_drops_the_trees_and_sends_the_real_tokens():
     assert cs.settle_fields() == {"committed": (5, 9)}
 
 
+def test_a_miss_says_whether_the_stop_or_only_the_next_token_was_wrong():
+    cs = CrossStep()
+    assumed = [expansion(5, 6, 7), expansion(5, 8, hypothesis=1)]  # main path 5, 6 then 7; a stop after 5, then 8
+    cs.assume(2)
+    assert not cs.settle([2], assumed)  # stopped at the root: no assumption did
+    assert (cs.misses, cs.next_token_misses) == (1, 0)
+    cs.assume(2)
+    assert not cs.settle([5, 6, 9], assumed)  # the main path held, the target's next token was not the draft's
+    assert (cs.misses, cs.next_token_misses) == (2, 1)
+    cs.assume(2)
+    assert not cs.settle([5, 3], assumed)  # the early stop held, its next token did not
+    assert (cs.misses, cs.next_token_misses) == (3, 2)
+    no_main = [SimpleNamespace(assumed=(), root_token=0, hypothesis=0), expansion(5, hypothesis=1)]
+    cs.assume(2)  # no room to assume the main path: its empty guess names no stop (the root's does)
+    assert not cs.settle([7, 1], no_main)
+    assert (cs.misses, cs.next_token_misses) == (4, 2)
+    cs.assume(2)
+    assert not cs.settle([4], no_main)
+    assert (cs.misses, cs.next_token_misses) == (5, 3)
+
+
 def test_no_assumption_in_flight_is_neither_hit_nor_miss():
     cs = CrossStep()
     assert not cs.settle([4], [])
