@@ -340,11 +340,15 @@ class Pipeline:
         cross-step drafting, already drafts the first tree after its own guess of the first token."""
         ahead = self.drafter is not None and g.gamma > 0 and self.cfg.overlap
         if self.drafter is not None:
+            # the first tree takes the configured shape (greedy lever's planner cuts it), except a sampled
+            # lever tree, verified whole: it keeps the sampled rule from the first pass on
+            first = self._draft_limits(g, hidden=True) if self._sampled_rule(g) else \
+                {"max_nodes": g.draft_cap, "max_depth": g.max_depth, "min_path_p": 0.0}
             await self.draft_send.send(DraftRequest(
                 session_id=g.sid, step=0, epoch=0, root_token=g.prompt[-1], position=len(g.prompt) - 1,
                 max_nodes=0, max_depth=0, top_k=g.top_k if ahead else 1, reset=True, reuse_prefix=g.reuse,
-                hypotheses=(((), (), g.draft_cap, g.max_depth, 0),) if ahead else (),
-                **g.spec.settle_fields(), **g.sampling))
+                hypotheses=(((), (), first["max_nodes"], first["max_depth"], 0),) if ahead else (),
+                min_path_p=first["min_path_p"], **g.spec.settle_fields(), **g.sampling))
             if ahead:
                 g.spec.assume(1)
         n = len(g.prompt)
@@ -404,7 +408,7 @@ class Pipeline:
         borrow = {} if hidden or not (self.cfg.overlap and self.cfg.core_borrow) else \
             {"threads": self.cfg.draft_threads + self.cfg.lane.threads}
         width = -(-g.draft_cap // g.max_depth)  # nodes per level of the configured shape
-        if self.cfg.mode == "lever" and self.cfg.adaptive_depth and not g.params.greedy:
+        if self._sampled_rule(g):
             # sampled: a rule on the draft's own probabilities only, never on timings, so that a
             # seeded run draws the same tree shapes every time (truncating whole levels by the
             # draft's path probability leaves rejection sampling at every kept node exact)
@@ -415,6 +419,9 @@ class Pipeline:
             return {"max_nodes": g.draft_cap, "max_depth": g.max_depth, **borrow}
         depth, min_p = self.lever.draft_limits(hidden, g.max_depth)
         return {"max_nodes": min(g.draft_cap, width * depth), "max_depth": depth, "min_path_p": min_p, **borrow}
+
+    def _sampled_rule(self, g: Generation) -> bool:
+        return self.cfg.mode == "lever" and self.cfg.adaptive_depth and not g.params.greedy
 
     def _planning(self, g: Generation) -> bool:
         # sampled trees are verified whole: choosing siblings by the tokens drawn would bias

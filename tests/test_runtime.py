@@ -229,6 +229,10 @@ def test_sampled_lever_is_never_steered(tiny_bundles, monkeypatch):
     assert out[0] == out[1] and sent == []
     # nor does it assume several outcomes: its trees follow the draft's draws, never a ranked guess
     assert requests and all(len(r.hypotheses) <= 1 and not any(h[4] for h in r.hypotheses) for r in requests)
+    # and every tree it drafts, the first after the prompt too, keeps the sampled rule (verified whole)
+    cap = lever_actors.driver.SAMPLED_WIDTH * lever_actors.driver.SAMPLED_MAX_DEPTH
+    assert all(h[2] <= cap and h[3] <= lever_actors.driver.SAMPLED_MAX_DEPTH for r in requests for h in r.hypotheses)
+    assert all(r.min_path_p == lever_actors.driver.SAMPLED_MIN_PATH_P for r in requests if r.hypotheses)
     cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode("lever:16+exit-predict")  # greedy: both sent
     trio.run(generate, cfg, target, draft, tokenizer(target).encode(PROMPT))
     assert any(s.final for s in sent) and any(not s.final for s in sent)
