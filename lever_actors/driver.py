@@ -407,7 +407,6 @@ class Pipeline:
         # pipelined mode: the chains are baselines of the same machine, with both cores at work)
         borrow = {} if hidden or not (self.cfg.overlap and self.cfg.core_borrow) else \
             {"threads": self.cfg.draft_threads + self.cfg.lane.threads}
-        width = -(-g.draft_cap // g.max_depth)  # nodes per level of the configured shape
         if self._sampled_rule(g):
             # sampled: a rule on the draft's own probabilities only, never on timings, so that a
             # seeded run draws the same tree shapes every time (truncating whole levels by the
@@ -418,9 +417,11 @@ class Pipeline:
         if not (self._planning(g) and self.cfg.adaptive_depth):
             return {"max_nodes": g.draft_cap, "max_depth": g.max_depth, **borrow}
         depth, min_p = self.lever.draft_limits(hidden, g.max_depth)
+        width = -(-g.draft_cap // g.max_depth)  # nodes per level of the configured shape
         return {"max_nodes": min(g.draft_cap, width * depth), "max_depth": depth, "min_path_p": min_p, **borrow}
 
     def _sampled_rule(self, g: Generation) -> bool:
+        """Whether this generation's trees follow the sampled tree rule (sampled lever)."""
         return self.cfg.mode == "lever" and self.cfg.adaptive_depth and not g.params.greedy
 
     def _planning(self, g: Generation) -> bool:
