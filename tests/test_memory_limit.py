@@ -158,3 +158,36 @@ def test_bench_measures_the_runtime_once_before_any_pipeline_loads(tiny_bundles,
     plans = {m: r["plan"]["budget"] for m, r in json.loads(out.read_text())["modes"].items()}
     runtime = {m: re.search(r"runtime ([\d.,]+ MiB)", b).group(1) for m, b in plans.items() if m != "resident-ar"}
     assert len(set(runtime.values())) == 1, runtime
+
+
+def test_bench_counts_the_tokenizer_in_the_runtime_as_generate_and_serve_do(tiny_bundles, monkeypatch):
+    """generate and serve load the tokenizer (48 MiB for the real pair) before the runtime's RSS is
+    measured; bench once measured it first, so it planned every flash mode with that much more than a
+    real process has."""
+    import types
+
+    import trio
+
+    from lever_actors import bench, memory
+    from lever_actors.engine import EngineConfig
+
+    calls, real_tokenizer = [], bench.load_tokenizer
+
+    class Measured(Exception):
+        pass
+
+    def tokenizer(path):
+        calls.append("tokenizer")
+        return real_tokenizer(path)
+
+    def baseline():
+        calls.append("runtime")
+        raise Measured
+
+    monkeypatch.setattr(bench, "load_tokenizer", tokenizer)
+    monkeypatch.setattr(memory, "runtime_baseline", baseline)
+    args = types.SimpleNamespace(target=str(tiny_bundles[0]), draft=str(tiny_bundles[1]), max_tokens=4,
+                                 dram_budget=None, flash_bandwidth=None)
+    with pytest.raises(Measured):
+        trio.run(bench._bench, {"lever": EngineConfig().with_mode("lever:8")}, [], None, args)
+    assert calls == ["tokenizer", "runtime"]
