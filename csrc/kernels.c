@@ -1058,6 +1058,28 @@ static inline float ggml_expf(float x) {
     return ldexpf(j, (int)n);
 }
 
+#ifdef LEVER_AVX512
+/* ggml_expf on 16 lanes: the same fused multiply-adds in the same order; scalef scales by 2^n
+ * exactly as ldexpf does (one correctly rounded result, overflow to infinity, gradual underflow) */
+static inline __m512 ggml_expf_512(__m512 x) {
+    const __m512 r = _mm512_set1_ps(0x1.8p23f);
+    const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), r);
+    const __m512 n = _mm512_sub_ps(z, r);
+    const __m512 nn = _mm512_xor_ps(n, _mm512_set1_ps(-0.0f));
+    const __m512 b = _mm512_fmadd_ps(nn, _mm512_set1_ps(0x1.7f7d1cp-20f), _mm512_fmadd_ps(nn, _mm512_set1_ps(0x1.62e4p-1f), x));
+    const __m512 u = _mm512_mul_ps(b, b);
+    const __m512 j = _mm512_fmadd_ps(
+        _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)), u,
+                        _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f))),
+        u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
+    const __m512 scaled = _mm512_scalef_ps(j, n);
+    const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192.0f), _CMP_GT_OQ);
+    const __mmask16 low = _mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_LE_OQ);
+    const __m512 edge = _mm512_mask_blend_ps(low, _mm512_set1_ps(INFINITY), _mm512_setzero_ps());
+    return _mm512_mask_blend_ps(big, scaled, edge);
+}
+#endif
+
 static PyObject *py_swiglu(PyObject *self, PyObject *args) {
     Py_buffer g, u, out;
     Py_ssize_t count;
@@ -1067,7 +1089,16 @@ static PyObject *py_swiglu(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     const float *gp = g.buf, *up = u.buf;
     float *o = out.buf;
-    for (Py_ssize_t e = 0; e < count; e++) o[e] = (gp[e] / (1.0f + ggml_expf(0.0f - gp[e]))) * up[e];
+    Py_ssize_t e = 0;
+#ifdef LEVER_AVX512
+    for (; e + 16 <= count; e += 16) {
+        const __m512 x = _mm512_loadu_ps(gp + e);
+        _mm512_storeu_ps(o + e, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                             ggml_expf_512(_mm512_sub_ps(_mm512_setzero_ps(), x)))),
+                                              _mm512_loadu_ps(up + e)));
+    }
+#endif
+    for (; e < count; e++) o[e] = (gp[e] / (1.0f + ggml_expf(0.0f - gp[e]))) * up[e];
     Py_END_ALLOW_THREADS
     ret = Py_None;
     Py_INCREF(ret);
@@ -1146,8 +1177,101 @@ typedef struct {
     int failed;
 } AttnJob;
 
+#if defined(LEVER_AVX2) && defined(__F16C__)
+#define E 4 /* output vectors per head held in registers while the keys go by */
+/* The G query heads that share one KV head, together: each half-precision key and value row is
+ * widened once for all G, and the G dot products run as G independent chains (one alone waits on
+ * its own fused adds). Per head, every operation and its order are those of the one-head loop in
+ * run_attn (dot_dh's lanes and sum, the running max, expf, the sum and axpy_dh over keys in
+ * order), so the bits are the same. ``s`` holds G * c scores. */
+static inline __attribute__((always_inline)) void attn_group_f16(
+    const float *q, const uint16_t *kh16, const uint16_t *vh16, const int64_t *pr, int64_t len, int64_t d,
+    int64_t c, float scale, float *s, float *out, const int G) {
+    float mx[8], sum[8];
+    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+    for (int64_t j = 0; j < len; j++) {
+        const uint16_t *kr = kh16 + pr[j] * d;
+        __m256 p[8];
+        for (int g = 0; g < G; g++) p[g] = _mm256_setzero_ps();
+        for (int64_t e = 0; e < d; e += 8) {
+            const __m256 kv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kr + e)));
+            for (int g = 0; g < G; g++) p[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + e), kv, p[g]);
+        }
+        for (int g = 0; g < G; g++) {
+            float l[8];
+            _mm256_storeu_ps(l, p[g]);
+            const float sc = (((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))) * scale;
+            s[g * c + j] = sc;
+            if (sc > mx[g]) mx[g] = sc;
+        }
+    }
+    /* the weights first (each head's sum over keys in order), then the values a slice of E
+     * vectors at a time, every head's slice of the output held in registers across all keys */
+    for (int g = 0; g < G; g++) {
+        sum[g] = 0.0f;
+        for (int64_t j = 0; j < len; j++) {
+            const float p = expf(s[g * c + j] - mx[g]);
+            s[g * c + j] = p;
+            sum[g] += p;
+        }
+    }
+    for (int64_t e0 = 0; e0 < d; e0 += 8 * E) {
+        const int ne = (int)((d - e0) / 8 < E ? (d - e0) / 8 : E);
+        __m256 acc[8][E];
+        for (int g = 0; g < G; g++)
+            for (int t = 0; t < E; t++) acc[g][t] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < len; j++) {
+            const uint16_t *vr = vh16 + pr[j] * d + e0;
+            __m256 vv[E];
+            for (int t = 0; t < E; t++)
+                vv[t] = t < ne ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vr + 8 * t))) : _mm256_setzero_ps();
+            for (int g = 0; g < G; g++) {
+                const __m256 pv = _mm256_set1_ps(s[g * c + j]);
+                for (int t = 0; t < E; t++) acc[g][t] = _mm256_fmadd_ps(pv, vv[t], acc[g][t]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const float inv = len > 0 ? 1.0f / sum[g] : 0.0f;
+            for (int t = 0; t < ne; t++) {
+                float l[8];
+                _mm256_storeu_ps(l, acc[g][t]);
+                for (int u = 0; u < 8; u++) out[g * d + e0 + 8 * t + u] = l[u] * inv;
+            }
+        }
+    }
+}
+
+#undef E
+/* run_attn for half-precision caches with at most 8 query heads per KV head; 0 if it does not apply */
+static int run_attn_grouped(AttnJob *a) {
+    const int64_t grp = a->nh / a->kvh;
+    if (!a->f16 || grp < 1 || grp > 8) return 0;
+    float *s = malloc(sizeof(float) * (size_t)(grp * (a->c > 0 ? a->c : 1)));
+    if (!s) { a->failed = 1; return 1; }
+    for (int64_t r = a->r0; r < a->r1; r++) {
+        const int64_t *pr = a->perm + r * a->pstride, len = a->len[r];
+        for (int64_t kv = 0; kv < a->kvh; kv++) {
+            const int64_t h0 = kv * grp, head = kv * a->c * a->d;
+            const float *qh = a->q + (r * a->nh + h0) * a->d;
+            const uint16_t *kh16 = (const uint16_t *)a->k + head, *vh16 = (const uint16_t *)a->v + head;
+            float *o = a->out + (r * a->nh + h0) * a->d;
+            switch (grp) {
+#define ATTN_CASE(G) case G: attn_group_f16(qh, kh16, vh16, pr, len, a->d, a->c, a->scale, s, o, G); break;
+                ATTN_CASE(1) ATTN_CASE(2) ATTN_CASE(3) ATTN_CASE(4) ATTN_CASE(5) ATTN_CASE(6) ATTN_CASE(7) ATTN_CASE(8)
+#undef ATTN_CASE
+            }
+        }
+    }
+    free(s);
+    return 1;
+}
+#endif
+
 static void *run_attn(void *arg) {
     AttnJob *a = (AttnJob *)arg;
+#if defined(LEVER_AVX2) && defined(__F16C__)
+    if (run_attn_grouped(a)) return NULL;
+#endif
     float *s = malloc(sizeof(float) * (size_t)(a->c > 0 ? a->c : 1));
     if (!s) { a->failed = 1; return NULL; }
     const int64_t grp = a->nh / a->kvh;
