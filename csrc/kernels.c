@@ -337,8 +337,7 @@ static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
         const __m512i t = dot256_512(w, scl, a);
         const float dx = d[i * nsb + s];
         const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
-        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(bs16 + (i * nsb + s) * 16));
-        const __m128i q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
+        const __m128i q8s = _mm_loadu_si128((const __m128i *)(bs16 + (i * nsb + s) * 8)); /* pair sums (py_matmul) */
         float *ai = acc + KLANES * i;
         _mm256_storeu_ps(ai, _mm256_fmadd_ps(_mm256_set1_ps(dx * dw), _mm256_cvtepi32_ps(sumi), _mm256_loadu_ps(ai)));
         _mm_storeu_ps(ai + 8, _mm_fmadd_ps(_mm_set1_ps(-(dx * dmin)), _mm_cvtepi32_ps(_mm_madd_epi16(mins16, q8s)),
@@ -993,7 +992,11 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 #ifdef LEVER_AVX512
     if (!have_x && is_kquant(type) && n > 0) {
         if (!(bs16 = malloc(sizeof(int16_t) * (size_t)(n * g * 16)))) { PyErr_NoMemory(); goto done; }
-        for (Py_ssize_t e = 0; e < n * g * 16; e++) bs16[e] = (int16_t)((const int32_t *)bs.buf)[e];
+        const int32_t *b32 = (const int32_t *)bs.buf;
+        if (type == T_Q4_K) /* block_q4k_512 takes the sums of adjacent pairs (its min lanes' hadd), once per row */
+            for (Py_ssize_t e = 0; e < n * g * 8; e++) bs16[e] = (int16_t)((int16_t)b32[2 * e] + (int16_t)b32[2 * e + 1]);
+        else
+            for (Py_ssize_t e = 0; e < n * g * 16; e++) bs16[e] = (int16_t)b32[e];
     }
     if (!have_x && (type == T_Q8_0 || type == T_Q5_0) && n > 0 && n <= 4) {
         if (!(corr = malloc(sizeof(int32_t) * (size_t)(n * (k / 4))))) { PyErr_NoMemory(); goto done; }
