@@ -991,7 +991,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     int32_t *corr = NULL; /* likewise */
 #ifdef LEVER_AVX512
     if (!have_x && is_kquant(type) && n > 0) {
-        if (!(bs16 = malloc(sizeof(int16_t) * (size_t)(n * g * 16)))) { PyErr_NoMemory(); goto done; }
+        if (!(bs16 = malloc(sizeof(int16_t) * (size_t)(n * g * (type == T_Q4_K ? 8 : 16))))) { PyErr_NoMemory(); goto done; }
         const int32_t *b32 = (const int32_t *)bs.buf;
         if (type == T_Q4_K) /* block_q4k_512 takes the sums of adjacent pairs (its min lanes' hadd), once per row */
             for (Py_ssize_t e = 0; e < n * g * 8; e++) bs16[e] = (int16_t)((int16_t)b32[2 * e] + (int16_t)b32[2 * e + 1]);
@@ -1181,7 +1181,7 @@ typedef struct {
 } AttnJob;
 
 #if defined(LEVER_AVX2) && defined(__F16C__)
-#define E 4 /* output vectors per head held in registers while the keys go by */
+#define ATTN_VECS 4 /* output vectors per head held in registers while the keys go by */
 /* The G query heads that share one KV head, together: each half-precision key and value row is
  * widened once for all G, and the G dot products run as G independent chains (one alone waits on
  * its own fused adds). Per head, every operation and its order are those of the one-head loop in
@@ -1208,7 +1208,7 @@ static inline __attribute__((always_inline)) void attn_group_f16(
             if (sc > mx[g]) mx[g] = sc;
         }
     }
-    /* the weights first (each head's sum over keys in order), then the values a slice of E
+    /* the weights first (each head's sum over keys in order), then the values a slice of ATTN_VECS
      * vectors at a time, every head's slice of the output held in registers across all keys */
     for (int g = 0; g < G; g++) {
         sum[g] = 0.0f;
@@ -1218,19 +1218,19 @@ static inline __attribute__((always_inline)) void attn_group_f16(
             sum[g] += p;
         }
     }
-    for (int64_t e0 = 0; e0 < d; e0 += 8 * E) {
-        const int ne = (int)((d - e0) / 8 < E ? (d - e0) / 8 : E);
-        __m256 acc[8][E];
+    for (int64_t e0 = 0; e0 < d; e0 += 8 * ATTN_VECS) {
+        const int ne = (int)((d - e0) / 8 < ATTN_VECS ? (d - e0) / 8 : ATTN_VECS);
+        __m256 acc[8][ATTN_VECS];
         for (int g = 0; g < G; g++)
-            for (int t = 0; t < E; t++) acc[g][t] = _mm256_setzero_ps();
+            for (int t = 0; t < ATTN_VECS; t++) acc[g][t] = _mm256_setzero_ps();
         for (int64_t j = 0; j < len; j++) {
             const uint16_t *vr = vh16 + pr[j] * d + e0;
-            __m256 vv[E];
-            for (int t = 0; t < E; t++)
+            __m256 vv[ATTN_VECS];
+            for (int t = 0; t < ATTN_VECS; t++)
                 vv[t] = t < ne ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vr + 8 * t))) : _mm256_setzero_ps();
             for (int g = 0; g < G; g++) {
                 const __m256 pv = _mm256_set1_ps(s[g * c + j]);
-                for (int t = 0; t < E; t++) acc[g][t] = _mm256_fmadd_ps(pv, vv[t], acc[g][t]);
+                for (int t = 0; t < ATTN_VECS; t++) acc[g][t] = _mm256_fmadd_ps(pv, vv[t], acc[g][t]);
             }
         }
         for (int g = 0; g < G; g++) {
@@ -1244,7 +1244,7 @@ static inline __attribute__((always_inline)) void attn_group_f16(
     }
 }
 
-#undef E
+#undef ATTN_VECS
 /* run_attn for half-precision caches with at most 8 query heads per KV head; 0 if it does not apply */
 static int run_attn_grouped(AttnJob *a) {
     const int64_t grp = a->nh / a->kvh;
