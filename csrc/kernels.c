@@ -30,7 +30,9 @@
 #define LEVER_AVX512 1
 #endif
 
-enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3, T_Q5_0 = 4 };
+enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3, T_Q5_0 = 4, T_Q5_0R = 5 };
+/* T_Q5_0R: Q5_0 rows whose block pairs a resident model rearranged in place (q5_0_pair_repack) */
+#define T_LAST T_Q5_0R
 #define QK 256
 #define KLANES 16 /* floats each K-quant output keeps per activation row until its final sum */
 /* Weight rows read ahead by software prefetch when a few activation rows stream each weight row:
@@ -72,14 +74,66 @@ static size_t row_bytes(int type, int64_t k) {
     case T_Q4_K: return (size_t)(k / QK) * 144;
     case T_Q6_K: return (size_t)(k / QK) * 210;
     case T_Q8_0: return (size_t)(k / 32) * 34;
-    case T_Q5_0: return (size_t)(k / 32) * 22;
+    case T_Q5_0:
+    case T_Q5_0R: return (size_t)(k / 32) * 22;
     default: return (size_t)k * 4;
     }
 }
 
 /* Bytes of one QK-column group of a weight row (eight 32-blocks for Q8_0 / Q5_0). */
 static size_t group_bytes(int type) {
-    return type == T_Q4_K ? 144 : type == T_Q6_K ? 210 : type == T_Q8_0 ? 272 : type == T_Q5_0 ? 176 : QK * 4;
+    return type == T_Q4_K ? 144 : type == T_Q6_K ? 210 : type == T_Q8_0 ? 272 : type == T_Q5_0 || type == T_Q5_0R ? 176 : QK * 4;
+}
+
+/* Q5_0R: each whole pair of blocks (2c, 2c + 1) of a QK-column group, 44 bytes, holds the same codes
+ * and scales as the two Q5_0 blocks it replaces, laid out the way the AVX-512 kernels use them: 32 bytes
+ * of low code nibbles in element order (block 2c's in the low nibbles, 2c + 1's in the high), the two
+ * blocks' fifth-bit words as one 64-bit mask (block 2c's low), then the two f16 scales. Unpacking a pair
+ * then takes a load, a shift, an and and a masked add, where the GGUF layout needs about a dozen
+ * instructions (the draft's Q5_0 matmuls were half its time, bound by that unpacking). A group's odd last
+ * block keeps its GGUF layout. The products and sums are the same integers and floats: the same bits. */
+static void q5_0_pair_repack(uint8_t *p) {
+    uint8_t t[44];
+    const uint8_t *b0 = p, *b1 = p + 22;
+    for (int j = 0; j < 32; j++) { /* element j < 16: low nibble of qs[j]; j >= 16: high nibble of qs[j - 16] */
+        const int lo0 = j < 16 ? b0[6 + j] & 0xF : b0[6 + j - 16] >> 4;
+        const int lo1 = j < 16 ? b1[6 + j] & 0xF : b1[6 + j - 16] >> 4;
+        t[j] = (uint8_t)(lo0 | lo1 << 4);
+    }
+    memcpy(t + 32, b0 + 2, 4);
+    memcpy(t + 36, b1 + 2, 4);
+    memcpy(t + 40, b0, 2);
+    memcpy(t + 42, b1, 2);
+    memcpy(p, t, 44);
+}
+
+/* The two GGUF Q5_0 blocks (44 bytes into b) of a repacked pair p: q5_0_pair_repack undone. */
+static void q5_0_pair_unpack(const uint8_t *p, uint8_t *b) {
+    for (int h = 0; h < 2; h++) {
+        uint8_t *o = b + 22 * h;
+        memcpy(o, p + 40 + 2 * h, 2);
+        memcpy(o + 2, p + 32 + 4 * h, 4);
+        for (int j = 0; j < 16; j++)
+            o[6 + j] = (uint8_t)(((p[j] >> 4 * h) & 0xF) | ((p[16 + j] >> 4 * h) & 0xF) << 4);
+    }
+}
+
+/* Every whole block pair of n Q5_0 rows of k columns, to Q5_0R in place (or back) */
+static void q5_0_pairs(uint8_t *w, int64_t n, int64_t k, int to_repacked) {
+    const size_t rb = row_bytes(T_Q5_0, k);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t s = 0; s < n_groups(k); s++) {
+            const int nb = (int)(group_len(k, s) / 32);
+            for (int c = 0; c + 1 < nb; c += 2) {
+                uint8_t *p = w + (size_t)i * rb + (size_t)s * 176 + 22 * (size_t)c;
+                if (to_repacked) q5_0_pair_repack(p);
+                else {
+                    uint8_t b[44];
+                    q5_0_pair_unpack(p, b);
+                    memcpy(p, b, 44);
+                }
+            }
+        }
 }
 
 /* The 6-bit scales and mins of the eight 32-element sub-blocks of a Q4_K block. */
@@ -411,8 +465,31 @@ static inline __m512 scale_pair_512(const uint8_t *b0, const uint8_t *b1) {
                                                _mm256_castps_pd(_mm256_set1_ps(f16_to_f32(b1))), 1));
 }
 
-static inline __m512i q5_0_pair_512(const uint8_t *b0, const uint8_t *b1) {
-    return _mm512_sub_epi8(q5_0_codes_512(b0, b1), _mm512_set1_epi8(16));
+/* q5_0_codes_512 of a repacked pair (Q5_0R, see q5_0_pair_repack): the same 64 codes */
+static inline __m512i q5_0r_codes_512(const uint8_t *p) {
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(0x0F));
+    uint64_t h;
+    memcpy(&h, p + 32, 8);
+    return _mm512_mask_add_epi8(nib, (__mmask64)h, nib, _mm512_set1_epi8(0x10));
+}
+
+/* Codes (unsigned, 0..31) and scales of the 32-blocks b0 and b1 of either Q5_0 layout (b1 == b0: a
+ * group's odd last block, which keeps the GGUF layout) */
+static inline __m512i q5_codes_any(int type, const uint8_t *b0, const uint8_t *b1) {
+    return type == T_Q5_0R && b1 != b0 ? q5_0r_codes_512(b0) : q5_0_codes_512(b0, b1);
+}
+/* a repacked pair's two adjacent f16 scales, each widened into eight lanes (exactly, as scale_pair_512) */
+static inline __m512 q5_0r_scales_512(const uint8_t *p) {
+    uint32_t d;
+    memcpy(&d, p + 40, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    return _mm512_cvtph_ps(_mm256_shuffle_epi8(_mm256_set1_epi32((int)d), spread));
+}
+static inline __m512 q5_scales_any(int type, const uint8_t *b0, const uint8_t *b1) {
+    return type == T_Q5_0R && b1 != b0 ? q5_0r_scales_512(b0) : scale_pair_512(b0, b1);
 }
 
 /* block_q32_avx2 two blocks per instruction: block c in the low eight lanes, c + 1 in the high
@@ -429,10 +506,11 @@ static void block_q32_512(int type, const uint8_t *b, int64_t s, int64_t k, int6
     __m512 dw[4];
     for (int c = 0; c < np; c++) { /* unpack the group once, reuse it for every row */
         const uint8_t *b0 = b + bs * 2 * c, *b1 = 2 * c + 1 < nb ? b0 + bs : b0;
-        const __m512i w = type == T_Q8_0 ? q8_0_pair_512(b0, b1) : q5_0_pair_512(b0, b1);
+        const __m512i w = type == T_Q8_0 ? q8_0_pair_512(b0, b1)
+                                         : _mm512_sub_epi8(q5_codes_any(type, b0, b1), _mm512_set1_epi8(16));
         aw[c] = _mm512_abs_epi8(w);
         neg[c] = _mm512_movepi8_mask(w);
-        dw[c] = scale_pair_512(b0, b1);
+        dw[c] = type == T_Q8_0 ? scale_pair_512(b0, b1) : q5_scales_any(type, b0, b1);
     }
     /* an odd last block fills only the low lanes (even chain); its activations are read 32 wide */
     const __mmask16 tail = nb & 1 ? 0x00FF : 0xFFFF;
@@ -498,8 +576,8 @@ static inline __attribute__((always_inline)) void rows_q32_512(
                 const uint8_t *b0 = b + r * rb + (size_t)s * (8 * bs) + bs * 2 * c;
                 const uint8_t *b1 = 2 * c + 1 < nb ? b0 + bs : b0;
                 const __m512i u = type == T_Q8_0 ? _mm512_xor_si512(q8_0_pair_512(b0, b1), _mm512_set1_epi8((char)0x80))
-                                                 : q5_0_codes_512(b0, b1);
-                const __m512 dw = scale_pair_512(b0, b1);
+                                                 : q5_codes_any(type, b0, b1);
+                const __m512 dw = type == T_Q8_0 ? scale_pair_512(b0, b1) : q5_scales_any(type, b0, b1);
                 for (int i = 0; i < N; i++) {
                     const __m512i p = _mm512_dpbusd_epi32(ci[i], u, a[i]);
                     v[r * N + i] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, da[i]), v[r * N + i], m16);
@@ -772,7 +850,7 @@ static void *run_job(void *arg) {
     Job *jb = (Job *)arg;
     const size_t rb = row_bytes(jb->type, jb->k);
     const int64_t nsb = n_groups(jb->k), n = jb->n > 0 ? jb->n : 1;
-    const int64_t lanes = !jb->x && is_kquant(jb->type) ? KLANES : !jb->x && (jb->type == T_Q8_0 || jb->type == T_Q5_0) ? 8 : 1;
+    const int64_t lanes = !jb->x && is_kquant(jb->type) ? KLANES : !jb->x && (jb->type == T_Q8_0 || jb->type == T_Q5_0 || jb->type == T_Q5_0R) ? 8 : 1;
     float *acc = malloc(sizeof(float) * (size_t)(n * ROW_GROUP * lanes));
     float *wf = jb->x ? malloc(sizeof(float) * QK) : NULL;
     if (!acc || (jb->x && !wf)) { jb->failed = 1; free(acc); free(wf); return NULL; }
@@ -975,7 +1053,11 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     int have_x = xo != Py_None;
     if (have_x && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto done0;
-    if (type < T_Q4_K || type > T_Q5_0) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
+    if (type < T_Q4_K || type > T_LAST) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
+#ifndef LEVER_AVX512
+    if (type == T_Q5_0R) { PyErr_SetString(PyExc_ValueError, "repacked Q5_0 needs the AVX-512 kernels"); goto done; }
+#endif
+    if (type == T_Q5_0R && have_x) { PyErr_SetString(PyExc_TypeError, "repacked Q5_0 takes int8 activations"); goto done; }
     if (k % (is_kquant(type) ? QK : 32)) {
         PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, is_kquant(type) ? QK : 32);
         goto done;
@@ -998,7 +1080,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         else
             for (Py_ssize_t e = 0; e < n * g * 16; e++) bs16[e] = (int16_t)b32[e];
     }
-    if (!have_x && (type == T_Q8_0 || type == T_Q5_0) && n > 0 && n <= 4) {
+    if (!have_x && (type == T_Q8_0 || type == T_Q5_0 || type == T_Q5_0R) && n > 0 && n <= 4) {
         if (!(corr = malloc(sizeof(int32_t) * (size_t)(n * (k / 4))))) { PyErr_NoMemory(); goto done; }
         q32_corrections(type, q.buf, k, n, corr);
     }
@@ -1420,18 +1502,44 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     Py_ssize_t n, k;
     if (!PyArg_ParseTuple(args, "iy*nnw*", &type, &w, &n, &k, &out)) return NULL;
     PyObject *ret = NULL;
-    if (type < T_Q4_K || type > T_Q5_0) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
+    if (type < T_Q4_K || type > T_LAST) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
     if (k % (is_kquant(type) ? QK : 32)) { PyErr_Format(PyExc_ValueError, "row length %zd does not fit the type", k); goto done; }
     if (!need(&w, n * (Py_ssize_t)row_bytes(type, k), "rows") || !need(&out, n * k * 4, "out")) goto done;
     const size_t rb = row_bytes(type, k), block = group_bytes(type);
-    for (Py_ssize_t i = 0; i < n; i++)
+    uint8_t *row = type == T_Q5_0R ? malloc(rb) : NULL; /* a repacked row goes back to GGUF blocks first */
+    if (type == T_Q5_0R && !row) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *src = (const uint8_t *)w.buf + i * rb;
+        if (row) {
+            memcpy(row, src, rb);
+            q5_0_pairs(row, 1, k, 0);
+            src = row;
+        }
         for (int64_t s = 0; s < n_groups(k); s++)
-            dequant_block(type, (const uint8_t *)w.buf + i * rb + s * block, (float *)out.buf + i * k + s * QK,
-                          group_len(k, s));
+            dequant_block(row ? T_Q5_0 : type, src + s * block, (float *)out.buf + i * k + s * QK, group_len(k, s));
+    }
+    free(row);
     ret = Py_None;
     Py_INCREF(ret);
 done:
     PyBuffer_Release(&w); PyBuffer_Release(&out);
+    return ret;
+}
+
+/* repack_q5_0(w, n, k, to_repacked): n Q5_0 rows of k columns to Q5_0R in place (or back) */
+static PyObject *py_repack_q5_0(PyObject *self, PyObject *args) {
+    Py_buffer w;
+    Py_ssize_t n, k;
+    int to_repacked;
+    if (!PyArg_ParseTuple(args, "w*nnp", &w, &n, &k, &to_repacked)) return NULL;
+    PyObject *ret = NULL;
+    if (k % 32) { PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of 32", k); goto done; }
+    if (!need(&w, n * (Py_ssize_t)row_bytes(T_Q5_0, k), "rows")) goto done;
+    q5_0_pairs(w.buf, n, k, to_repacked);
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&w);
     return ret;
 }
 
@@ -1455,6 +1563,7 @@ static PyMethodDef methods[] = {
     {"rope", py_rope, METH_VARARGS, "rotary embedding of each head's pairs"},
     {"dequantize", py_dequantize, METH_VARARGS, "GGUF rows to float32"},
     {"simd", py_simd, METH_NOARGS, "which code path was compiled"},
+    {"repack_q5_0", py_repack_q5_0, METH_VARARGS, "Q5_0 rows to the AVX-512 kernels' pair layout in place, or back"},
     {NULL, NULL, 0, NULL},
 };
 

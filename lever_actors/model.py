@@ -214,10 +214,12 @@ class NativeLayer:
     every token's result independent of the other tokens of its pass.
     """
 
-    def __init__(self, region: Region, buf, eps: float) -> None:
+    def __init__(self, region: Region, buf, eps: float, resident: bool = False) -> None:
         v = region.views(buf)
         self.mats = {m: kernels.NativeMatrix(spec["qtype"], spec["k"], spec["n"], v[f"{m}.data"])
                      for m, spec in region.mats.items()}
+        if resident:  # a resident buffer is only ever read by this layer: its blocks may be rearranged
+            self.mats = {m: kernels.repacked_for_cpu(w) for m, w in self.mats.items()}
         self.vec = {name: v[name] for name in ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias")}
         self.eps = eps
 
@@ -293,7 +295,7 @@ class Transformer:
                 buf = read_region(bundle, self.regions[i])
             except ModelError as exc:
                 raise ModelError(f"layer {i}: {exc}") from None
-            self.resident[i] = self.layer_session_from_buffer(i, buf)
+            self.resident[i] = self.layer_session_from_buffer(i, buf, resident=True)
             self.resident_bytes += self.regions[i].nbytes
 
     def use_threads(self, n: int) -> None:
@@ -314,11 +316,12 @@ class Transformer:
             self._head_graphs[spec.n] = build_head(self.hidden, spec, float(self.bundle.dims["rms_eps"]), self.lane.accuracy)
         return make_session(self._head_graphs[spec.n], region.views(buf), self.lane)
 
-    def layer_session_from_buffer(self, i: int, buf) -> object:
-        """The computation of layer ``i``: a :class:`NativeLayer` over ``buf`` or an ORT session (copies ``buf``)."""
+    def layer_session_from_buffer(self, i: int, buf, resident: bool = False) -> object:
+        """The computation of layer ``i``: a :class:`NativeLayer` over ``buf`` or an ORT session (copies
+        ``buf``); a ``resident`` layer owns ``buf`` for good (its weights may be rearranged in place)."""
         region = self.regions[i]
         if self.native:
-            return NativeLayer(region, buf, self.eps)
+            return NativeLayer(region, buf, self.eps, resident)
         return make_session(self.graphs.for_layer(region), region.views(buf), self.lane)
 
     def feeds(self, positions: np.ndarray, slots: np.ndarray, layout: dict) -> dict:

@@ -168,6 +168,40 @@ def test_matmul_rows_of_any_multiple_of_32(qtype, k, rows, n):
         assert_bitwise(K.matmul(w, K.quantize_rows(x[i:i + 1]), threads=3)[0], K.matmul(w, qa)[i])
 
 
+AVX512 = K.simd().startswith("avx512")
+
+
+@pytest.mark.skipif(not AVX512, reason="Q5_0R is the AVX-512 kernels' layout; other builds keep Q5_0")
+@pytest.mark.parametrize("k", [32, 96, 224, 896, 4864 + 32])  # a lone block, odd last blocks, the draft's rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_repacked_q5_0_gives_the_same_bits(k, rows):
+    """Resident Q5_0 weights rearranged into block pairs (Q5_0R) hold the same numbers: every product
+    equals the GGUF layout's bit for bit on both the few-row and the grouped kernel, dequantizing gives
+    the same floats, and undoing the repack restores the bytes."""
+    w, wdq = weight("Q5_0", k, 37)
+    r = K.repacked_for_cpu(K.NativeMatrix("Q5_0", k, w.n, w.data.copy()))
+    assert r.qtype == "Q5_0R"
+    assert not np.array_equal(r.data, w.data) or k == 32  # a lone block has no pair to rearrange
+    qa = K.quantize_rows(activations(rows, k, seed=k * rows))
+    assert_bitwise(K.matmul(r, qa), K.matmul(w, qa))
+    assert_bitwise(K.matmul(r, qa, threads=3), K.matmul(w, qa))
+    assert_bitwise(K.dequantize("Q5_0R", r.data, k), wdq)
+    back = r.data.copy()
+    K._kernels.repack_q5_0(back, w.n, k, False)
+    assert np.array_equal(back, w.data)
+
+
+def test_repack_leaves_other_types_and_refuses_float_activations():
+    for qtype in ("Q8_0", "Q4_K", "Q6_K"):
+        w, _ = weight(qtype, 256, 8)
+        assert K.repacked_for_cpu(w) is w
+    if AVX512:
+        w, _ = weight("Q5_0", 64, 8)
+        r = K.repacked_for_cpu(K.NativeMatrix("Q5_0", 64, 8, w.data.copy()))
+        with pytest.raises(TypeError, match="int8 activations"):
+            K.matmul(r, activations(1, 64, 0))
+
+
 # ---- batch and thread invariance (bitwise) -------------------------------------------
 
 @pytest.mark.parametrize("qtype", QTYPES + ["F32"])
