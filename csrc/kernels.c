@@ -137,13 +137,25 @@ static void q5_0_pairs(uint8_t *w, int64_t n, int64_t k, int to_repacked) {
 }
 
 /* The 6-bit scales and mins of the eight 32-element sub-blocks of a Q4_K block. */
+/* Scale j is the low 6 bits of s[j] (j < 4) or s[j + 4]'s low nibble under s[j - 4]'s top two bits;
+ * mins likewise from s[4..7] and s[8..11]'s high nibbles. Computed four at a time in 32-bit words
+ * (llama.cpp's kmask form): out holds the eight scales, then the eight mins. */
+static inline void q4k_scales_mins16(const uint8_t *s, uint8_t *out) {
+    uint32_t u[4];
+    memcpy(u, s, 12);
+    u[3] = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t mins_lo = u[1] & 0x3F3F3F3Fu;
+    u[1] = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = mins_lo;
+    u[0] &= 0x3F3F3F3Fu;
+    memcpy(out, u, 16);
+}
+
 static void q4k_scale_min(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
-        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
+    uint8_t t[16];
+    q4k_scales_mins16(s, t);
+    memcpy(sc, t, 8);
+    memcpy(mn, t + 8, 8);
 }
 
 /* ---------------------------------------------------------------- activations */
@@ -360,8 +372,8 @@ static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
                           const int16_t *bs16, float *acc) {
     const int64_t nsb = k / QK;
     float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
-    uint8_t sc[8], mn[8];
-    q4k_scale_min(b + 4, sc, mn);
+    uint8_t scmn[16];
+    q4k_scales_mins16(b + 4, scmn);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     /* w[c] holds chunk c (64 elements, one 32-byte run of nibbles): its low
      * nibbles (sub-block 2c) in the lower 256 bits, high nibbles (2c+1) above,
@@ -371,9 +383,6 @@ static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
         {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
         {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
         {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
-    uint8_t scmn[16];
-    memcpy(scmn, sc, 8);
-    memcpy(scmn + 8, mn, 8);
     const __m128i packed = _mm_loadu_si128((const __m128i *)scmn);
     const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(packed));
     const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
