@@ -136,8 +136,7 @@ static void q5_0_pairs(uint8_t *w, int64_t n, int64_t k, int to_repacked) {
         }
 }
 
-/* The 6-bit scales and mins of the eight 32-element sub-blocks of a Q4_K block. */
-/* Scale j is the low 6 bits of s[j] (j < 4) or s[j + 4]'s low nibble under s[j - 4]'s top two bits;
+/* The 6-bit scales and mins of the eight 32-element sub-blocks of a Q4_K block. Scale j is the low 6 bits of s[j] (j < 4) or s[j + 4]'s low nibble under s[j - 4]'s top two bits;
  * mins likewise from s[4..7] and s[8..11]'s high nibbles. Computed four at a time in 32-bit words
  * (llama.cpp's kmask form): out holds the eight scales, then the eight mins. */
 static inline void q4k_scales_mins16(const uint8_t *s, uint8_t *out) {
@@ -797,6 +796,11 @@ static void dequant_block(int type, const uint8_t *b, float *w, int64_t gl) {
             float dw = f16_to_f32(blk);
             for (int e = 0; e < 32; e++) w[32 * c + e] = dw * (float)((const int8_t *)(blk + 2))[e];
         }
+    } else if (type == T_Q5_0R) { /* back to GGUF blocks first: a group is one row of gl columns */
+        uint8_t g[176];
+        memcpy(g, b, (size_t)(gl / 32) * 22);
+        q5_0_pairs(g, 1, gl, 0);
+        dequant_block(T_Q5_0, g, w, gl);
     } else if (type == T_Q5_0) {
         for (int c = 0; c < gl / 32; c++) {
             int8_t wq[32];
@@ -1066,7 +1070,6 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 #ifndef LEVER_AVX512
     if (type == T_Q5_0R) { PyErr_SetString(PyExc_ValueError, "repacked Q5_0 needs the AVX-512 kernels"); goto done; }
 #endif
-    if (type == T_Q5_0R && have_x) { PyErr_SetString(PyExc_TypeError, "repacked Q5_0 takes int8 activations"); goto done; }
     if (k % (is_kquant(type) ? QK : 32)) {
         PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, is_kquant(type) ? QK : 32);
         goto done;
@@ -1515,19 +1518,10 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     if (k % (is_kquant(type) ? QK : 32)) { PyErr_Format(PyExc_ValueError, "row length %zd does not fit the type", k); goto done; }
     if (!need(&w, n * (Py_ssize_t)row_bytes(type, k), "rows") || !need(&out, n * k * 4, "out")) goto done;
     const size_t rb = row_bytes(type, k), block = group_bytes(type);
-    uint8_t *row = type == T_Q5_0R ? malloc(rb) : NULL; /* a repacked row goes back to GGUF blocks first */
-    if (type == T_Q5_0R && !row) { PyErr_NoMemory(); goto done; }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint8_t *src = (const uint8_t *)w.buf + i * rb;
-        if (row) {
-            memcpy(row, src, rb);
-            q5_0_pairs(row, 1, k, 0);
-            src = row;
-        }
+    for (Py_ssize_t i = 0; i < n; i++)
         for (int64_t s = 0; s < n_groups(k); s++)
-            dequant_block(row ? T_Q5_0 : type, src + s * block, (float *)out.buf + i * k + s * QK, group_len(k, s));
-    }
-    free(row);
+            dequant_block(type, (const uint8_t *)w.buf + i * rb + s * block, (float *)out.buf + i * k + s * QK,
+                          group_len(k, s));
     ret = Py_None;
     Py_INCREF(ret);
 done:

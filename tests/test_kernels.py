@@ -191,15 +191,15 @@ def test_repacked_q5_0_gives_the_same_bits(k, rows):
     assert np.array_equal(back, w.data)
 
 
-def test_repack_leaves_other_types_and_refuses_float_activations():
+def test_repack_leaves_other_types_and_keeps_the_fp32_path():
     for qtype in ("Q8_0", "Q4_K", "Q6_K"):
         w, _ = weight(qtype, 256, 8)
         assert K.repacked_for_cpu(w) is w
-    if AVX512:
-        w, _ = weight("Q5_0", 64, 8)
-        r = K.repacked_for_cpu(K.NativeMatrix("Q5_0", 64, 8, w.data.copy()))
-        with pytest.raises(TypeError, match="int8 activations"):
-            K.matmul(r, activations(1, 64, 0))
+    if AVX512:  # --precision fp32 feeds float rows to the same resident (repacked) weights
+        w, _ = weight("Q5_0", 896, 8)
+        r = K.repacked_for_cpu(K.NativeMatrix("Q5_0", 896, 8, w.data.copy()))
+        x = activations(3, 896, 0)
+        assert_bitwise(K.matmul(r, x), K.matmul(w, x))
 
 
 # ---- batch and thread invariance (bitwise) -------------------------------------------
