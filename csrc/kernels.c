@@ -496,7 +496,8 @@ static inline __m512 q5_0r_scales_512(const uint8_t *p) {
                                             2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     return _mm512_cvtph_ps(_mm256_shuffle_epi8(_mm256_set1_epi32((int)d), spread));
 }
-static inline __m512 q5_scales_any(int type, const uint8_t *b0, const uint8_t *b1) {
+/* the scales of the 32-blocks b0 and b1 of any 32-block type (a repacked Q5_0 pair keeps them side by side) */
+static inline __m512 pair_scales_512(int type, const uint8_t *b0, const uint8_t *b1) {
     return type == T_Q5_0R && b1 != b0 ? q5_0r_scales_512(b0) : scale_pair_512(b0, b1);
 }
 
@@ -518,7 +519,7 @@ static void block_q32_512(int type, const uint8_t *b, int64_t s, int64_t k, int6
                                          : _mm512_sub_epi8(q5_codes_any(type, b0, b1), _mm512_set1_epi8(16));
         aw[c] = _mm512_abs_epi8(w);
         neg[c] = _mm512_movepi8_mask(w);
-        dw[c] = type == T_Q8_0 ? scale_pair_512(b0, b1) : q5_scales_any(type, b0, b1);
+        dw[c] = pair_scales_512(type, b0, b1);
     }
     /* an odd last block fills only the low lanes (even chain); its activations are read 32 wide */
     const __mmask16 tail = nb & 1 ? 0x00FF : 0xFFFF;
@@ -585,7 +586,7 @@ static inline __attribute__((always_inline)) void rows_q32_512(
                 const uint8_t *b1 = 2 * c + 1 < nb ? b0 + bs : b0;
                 const __m512i u = type == T_Q8_0 ? _mm512_xor_si512(q8_0_pair_512(b0, b1), _mm512_set1_epi8((char)0x80))
                                                  : q5_codes_any(type, b0, b1);
-                const __m512 dw = type == T_Q8_0 ? scale_pair_512(b0, b1) : q5_scales_any(type, b0, b1);
+                const __m512 dw = pair_scales_512(type, b0, b1);
                 for (int i = 0; i < N; i++) {
                     const __m512i p = _mm512_dpbusd_epi32(ci[i], u, a[i]);
                     v[r * N + i] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, da[i]), v[r * N + i], m16);
