@@ -217,13 +217,16 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
     from lever_actors.models import resolve_bundle
     from lever_actors.runtime import open_pipeline
 
+    from lever_actors.bundle import load_bundle
     from lever_actors.memory import runtime_baseline
+    from lever_actors.ortrt import count_in_baseline
 
     tdir = resolve_bundle(args.target, "target")
     ddir = resolve_bundle(args.draft, "draft") if any(c.drafted for c in configs.values()) else None
     tok = load_tokenizer(tdir)
     # before any pipeline loads (each flash mode is planned as if it were alone), but after the
     # tokenizer, as generate and serve measure it: its ~48 MiB are the process's, not the models'
+    count_in_baseline([load_bundle(d).layout for d in (tdir, ddir) if d is not None])
     runtime_baseline()
     out = {"modes": {}, "settings": {"max_tokens": args.max_tokens, "dram_budget": args.dram_budget,
                                       "temperature": params.temperature, "prompts": [i for i, _ in prompts],

@@ -249,12 +249,14 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
     append (session, step, layer, node, margin) to ``prune_record``.
     """
     from lever_actors.memory import runtime_baseline
+    from lever_actors.ortrt import count_in_baseline
 
+    tb = load_bundle(target_dir)  # manifests only: no weights yet
+    db = load_bundle(draft_dir) if draft_dir is not None else None
+    count_in_baseline([b.layout for b in (tb, db) if b is not None])
     runtime_baseline()  # the process before any model loads (measured once; bench opens many pipelines)
     tracer = tracer or Tracer(enabled=True)
     caps = dict(CHANNELS, **(channels or {}))
-    tb = load_bundle(target_dir)
-    db = load_bundle(draft_dir) if draft_dir is not None else None
     if db is not None:
         tv, dv = tb.manifest["tokenizer"].get("vocab_sha256"), db.manifest["tokenizer"].get("vocab_sha256")
         if tv != dv or tb.dims["vocab_size"] != db.dims["vocab_size"]:

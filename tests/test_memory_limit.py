@@ -191,3 +191,33 @@ def test_bench_counts_the_tokenizer_in_the_runtime_as_generate_and_serve_do(tiny
     with pytest.raises(Measured):
         trio.run(bench._bench, {"lever": EngineConfig().with_mode("lever:8")}, [], None, args)
     assert calls == ["tokenizer", "runtime"]
+
+
+IMPORTED_AT_BASELINE = """
+import sys
+from lever_actors import memory
+real = memory.runtime_baseline
+def baseline():
+    print("onnxruntime at baseline:", "onnxruntime" in sys.modules, file=sys.stderr)
+    return real()
+memory.runtime_baseline = baseline
+from lever_actors.cli import main
+code = main(sys.argv[1:])
+print("onnxruntime at exit:", "onnxruntime" in sys.modules, file=sys.stderr)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("ort_draft", [False, True])
+def test_onnxruntime_is_loaded_only_for_ort_bundles_and_then_counted(tiny_bundles, tiny_ort_draft, tiny_budget,
+                                                                      ort_draft):
+    """Native bundles never run an ORT session, so its ~20 MiB of imports stay out of the process
+    (they go to pinned layers); an ORT-layout draft needs it, and it is imported before the runtime's
+    baseline is measured, so the budget counts it."""
+    draft = tiny_ort_draft if ort_draft else tiny_bundles[1]
+    p = subprocess.run([sys.executable, "-c", IMPORTED_AT_BASELINE, "generate", "def f(", "--target",
+                        str(tiny_bundles[0]), "--draft", str(draft), "--mode", "lever:8", "--dram-budget",
+                        str(tiny_budget + 64 * 2**20), "--max-tokens", "4"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert f"onnxruntime at baseline: {ort_draft}" in p.stderr, p.stderr
+    assert f"onnxruntime at exit: {ort_draft}" in p.stderr, p.stderr
