@@ -8,8 +8,13 @@ import os
 from setuptools import Extension, setup
 
 flags = os.environ.get("LEVER_CFLAGS", "-O3 -march=native").split()
+# -fno-wrapv: Python's own CFLAGS, which setuptools puts first, carry -fwrapv. Defining signed
+# overflow keeps gcc from treating the kernels' int index arithmetic as plain arithmetic, and the
+# one-activation-row Q5_0/Q8_0 path compiled that way ran 2.5x slower (the draft's 896x4864
+# projections, weights from DRAM: 0.51 ms against 0.21 ms a call). The kernels never overflow a
+# signed integer, so the results are the same bits either way.
 setup(ext_modules=[Extension(
     "lever_actors._kernels", ["csrc/kernels.c"],
-    extra_compile_args=["-std=c11", "-ffp-contract=off", "-fno-fast-math", *flags],
+    extra_compile_args=["-std=c11", "-fno-wrapv", "-ffp-contract=off", "-fno-fast-math", *flags],
     extra_link_args=["-lpthread", "-lm"],
 )])
