@@ -24,11 +24,22 @@ def decide(done: VerifyDone) -> tuple[list[int], list[int]]:
             tokens = np.where(np.isin(np.arange(len(tokens)), done.node_ids), tokens, -1)  # never matches
         return accept_greedy(done.parents, tokens, done.argmax)
     n = len(done.tokens)
-    target = [probs_from_logits(done.logits[i], params) for i in range(n)]
+    # a distribution is a float64 row of the vocabulary: only the nodes the walk visits get one
+    target = _Lazy(lambda i: probs_from_logits(done.logits[i], params))
     # node i's children were drawn from the draft distribution at node i (a chain: dists[i])
     drafts = [done.draft_dists[i] if done.draft_dists is not None and i < len(done.draft_dists) else None
               for i in range(n)]
     return accept_sampled(done.parents, done.tokens, drafts, target, done.seed, done.step)
+
+
+class _Lazy:
+    """``f(i)`` computed on indexing and not kept: a walk holds one node's distribution at a time."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+
+    def __getitem__(self, i: int):
+        return self.f(i)
 
 
 class Acceptor:

@@ -6,6 +6,7 @@ import time
 import numpy as np
 import trio
 
+from lever_actors.head_scores import HeadScores
 from lever_actors.planner import bucket_for
 from lever_actors.prune import directly_pruned
 from lever_actors.errors import FlashFault
@@ -242,13 +243,12 @@ class NpuVerifier:
         if not plan.prefill and plan.bucket > n:
             x, feeds_list, slots_list = self._pad(x, feeds_list, slots_list, n, plan.bucket - n)
         acc = {"compute_s": 0.0, "wait_s": 0.0, "bytes_read": 0}
-        head_parts: list[np.ndarray] = []
         prune = None
         if plan.exit_layers and not plan.prefill and self.exits_send is not None:
             prune = {"plan": plan, "alive": np.ones(n, bool), "pruned": []}
         self._use_threads(self.own_threads)  # a grant lasts one pass
         try:
-            await self._stages(x, feeds_list, slots_list, rows, head_parts, acc, plan, prune)
+            scores = await self._stages(x, feeds_list, slots_list, rows, acc, plan, prune)
         except FlashFault as exc:  # this pass is lost, the verifier is not: the driver fails the request
             self.faults += 1
             return VerifyDone(session_id=plan.session_id, step=plan.step, epoch=plan.epoch,
@@ -265,8 +265,7 @@ class NpuVerifier:
             from lever_actors.ortrt import release_freed_memory
 
             release_freed_memory()  # this pass's sessions are gone; keep RSS at the budget
-        logits = np.concatenate(head_parts, axis=-1)  # [rows, V]
-        argmax = np.argmax(logits, axis=-1).astype(np.int32)
+        argmax = scores.argmax
         node_ids = np.arange(len(rows), dtype=np.int32)
         pruned = None
         if prune is not None:  # rows are the survivors; pruned nodes were not computed to the end
@@ -284,7 +283,7 @@ class NpuVerifier:
             tokens=self.tree_tokens[rows] if plan.prefill else self.tree_tokens,
             parents=np.full(1, -1, np.int32) if plan.prefill else np.asarray(plan.parents, np.int32),
             argmax=argmax, pruned=pruned,
-            logits=logits.astype(np.float32) if plan.want_logits else None,
+            logits=scores.logits,
             draft_dists=plan.draft_dists, bytes_read=bytes_read, prefill=plan.prefill,
             temperature=plan.temperature, top_p=plan.top_p, seed=plan.seed, cache_n=cache_n,
         )
@@ -302,13 +301,15 @@ class NpuVerifier:
             self._release_held(msg.slot)
             self.skipped += 1
 
-    async def _stages(self, x, feeds_list, slots_list, rows, head_parts, acc, plan: VerifyPlan, prune=None) -> None:
-        """Run every stage in order: pinned ones directly, streamed ones as their sessions arrive.
+    async def _stages(self, x, feeds_list, slots_list, rows, acc, plan: VerifyPlan, prune=None) -> HeadScores:
+        """Run every stage in order: pinned ones directly, streamed ones as their sessions arrive;
+        returns what the head's slices left (argmax per row, the logits only if the plan wants them).
 
         After an exit layer of the plan the pruner decides which nodes go on; later
         stages compute only the survivors' rows (their KV slots stay base + node id).
         """
         first_streamed = self.streamed[0] if self.streamed else None
+        scores = None
         for stage in range(self.stage_count):
             if self._is_aborted(plan.session_id):
                 raise PassAborted(plan.session_id)
@@ -331,11 +332,14 @@ class NpuVerifier:
                 self._release_held(msg.slot)
             if stage < self.m.n_layer:
                 x = y
-            else:
-                head_parts.append(y)
+            else:  # rows are final here (pruning happens between layers)
+                if scores is None:
+                    scores = HeadScores(len(y), self.m.vocab, plan.want_logits)
+                scores.add(y)
             acc["compute_s"] += time.perf_counter() - t0
             if prune is not None and stage in prune["plan"].exit_layers and prune["alive"].sum() > 1:
                 x, feeds_list, slots_list, rows = await self._exit(stage, x, feeds_list, slots_list, prune)
+        return scores
 
     async def _exit(self, stage: int, x, feeds_list, slots_list, prune):
         """Hand the hidden rows to the pruner, then keep only the rows of the nodes it keeps."""

@@ -53,10 +53,38 @@ PREDICT_EXIT_SHARE = 0.85
 PREDICT_HEAD_ROWS = 1024  # LM-head rows the prediction's lens keeps (the draft's top tokens recur)
 
 
-def activation_bytes(dims: dict, context: int, rows: int = 64) -> int:
-    """Peak activations of one layer call over ``rows`` tokens plus their logits (fp32)."""
-    per_row = 3 * dims["ffn"] + 6 * dims["hidden"] + 3 * dims["n_head"] * context + dims["vocab_size"]
-    return rows * per_row * 4
+SAMPLED_ROW_TEMPS = 4  # float64 vocabulary rows a sampled acceptance holds at once (p, q and temporaries)
+
+
+def activation_bytes(dims: dict, context: int, verify_rows: int, sampled_rows: int, head_slice: int) -> int:
+    """Peak activations of a pass (fp32): a layer call over its rows (a prefill chunk or a tree),
+    then the LM head's. A greedy pass keeps one head slice's logits at a time (``HeadScores``); a
+    sampled one keeps its rows' whole logits beside the draft's distributions, and its acceptance a
+    few float64 rows."""
+    from actors.npu_verify import PREFILL_CHUNK
+
+    per_row = 3 * dims["ffn"] + 6 * dims["hidden"] + 3 * dims["n_head"] * context
+    vocab = dims["vocab_size"]
+    head = max(verify_rows * head_slice * 4, sampled_rows * vocab * 8 + SAMPLED_ROW_TEMPS * vocab * 8)
+    return max(PREFILL_CHUNK, verify_rows) * per_row * 4 + head
+
+
+def head_slice_rows(bundle) -> int:
+    """Vocabulary entries of the bundle's widest LM-head slice (the whole vocabulary if unknown)."""
+    vocab = bundle.dims["vocab_size"]
+    return max((r.mats.get("output", {}).get("n", vocab) for r in bundle.head_chunks), default=vocab)
+
+
+def verify_rows(cfg) -> tuple[int, int]:
+    """(rows of the largest tree a pass verifies, ... of a sampled pass): sampled lever's trees follow
+    its own rule (``driver.SAMPLED_*``), every other tree may take the configured size."""
+    from lever_actors.driver import SAMPLED_MAX_DEPTH, SAMPLED_WIDTH
+    from lever_actors.planner import bucket_for
+
+    rows = bucket_for(cfg.gamma + 1 if cfg.drafted else 1, cfg.buckets)
+    if cfg.mode == "lever" and cfg.adaptive_depth:
+        return rows, min(rows, bucket_for(min(cfg.gamma, SAMPLED_WIDTH * SAMPLED_MAX_DEPTH) + 1, cfg.buckets))
+    return rows, rows
 
 
 def kv_bytes(layout: str, precision: str) -> int:
@@ -77,7 +105,8 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
     d = target.dims
     precision = cfg.lane.precision
     items = {"target_kv": cfg.context * kv_row_bytes(target, target.layout, precision),
-             "activations": activation_bytes(d, cfg.context), **(extra or {})}
+             "activations": activation_bytes(d, cfg.context, *verify_rows(cfg),
+                                             head_slice_rows(target)), **(extra or {})}
     if cfg.dram_budget is not None and cfg.mode != "resident-ar" and runtime_baseline() > 0:
         items = {"runtime": runtime_baseline(), "headroom": HEADROOM, **items}
     if draft_bundle is not None:

@@ -110,7 +110,7 @@ def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundl
     requests = _recording(monkeypatch, DraftRequest, lever_actors.driver)
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
-    budget = _min_budget(target, draft)
+    budget = _min_budget(target, draft, "lever:16")
     runs, ranks = {}, {}
     for multi, runner_up in ((True, True), (True, False), (False, True)):
         # every layer streamed, slowly enough that the pass is bound by its reads as on the real pair
@@ -144,7 +144,7 @@ def test_idle_lanes_lend_their_threads(tiny_bundles, ar_tokens, monkeypatch):
     requests = _recording(monkeypatch, DraftRequest, lever_actors.driver)
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
-    cfg = EngineConfig(mode="lever", gamma=16, context=CONTEXT, dram_budget=_min_budget(target, draft),
+    cfg = EngineConfig(mode="lever", gamma=16, context=CONTEXT, dram_budget=_min_budget(target, draft, "lever:16"),
                        draft_threads=1, flash_bandwidth=20e6)
     cfg = replace(cfg, lane=replace(cfg.lane, threads=2))
     verify_threads, own = [], NpuVerifier._use_threads
