@@ -149,3 +149,25 @@ def test_kept_sampled_children_are_the_first_draws_of_their_parent_in_order(pare
     # the same parents with other draws (as many, other probabilities) keep as many each
     _, again = level([[0.5 / (j + 1) for j in range(len(ps))] for _, ps in parents])
     assert {n: sum(c[1] == n for c in again) for n in counts} == counts
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees(vocab=5, max_nodes=8), st.integers(0, 2**31 - 1), st.integers(0, 50))
+def test_the_acceptor_computes_each_target_distribution_only_where_the_walk_looks(tree, seed, step):
+    """decide() hands accept_sampled the target's distributions lazily (one float64 vocabulary row at
+    a time, so a pass's acceptance never holds all of them): the same commit as every row up front."""
+    from actors.accept import decide
+    from protocols import VerifyDone
+
+    parents, tokens, _ = tree
+    n = len(parents)
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(n, 5)).astype(np.float32)
+    dists = rng.dirichlet(np.ones(5), size=n).astype(np.float32)
+    params = SamplingParams(0.8, 0.9, seed)
+    done = VerifyDone(session_id=1, step=step, epoch=0, node_ids=np.arange(n, dtype=np.int32), handle=0,
+                      compute_s=0.0, io_wait_s=0.0, tokens=tokens.astype(np.int32), parents=parents.astype(np.int32),
+                      argmax=np.zeros(n, np.int32), logits=logits, draft_dists=dists, temperature=0.8, top_p=0.9,
+                      seed=seed)
+    eager = accept_sampled(parents, tokens, list(dists), [probs_from_logits(row, params) for row in logits], seed, step)
+    assert decide(done) == eager
