@@ -63,12 +63,14 @@ def context_trade(plan: BudgetPlan, base: BudgetPlan | None, context: int, base_
     delta = grow - sum(base.items.get(k, 0) for k in per_context)
     lost = len(base.pinned) - len(plan.pinned)
     slots = base.n_slots - plan.n_slots
-    more, less = ("more", "fewer") if delta >= 0 else ("less", "more")
-    what = f"{abs(lost)} {less} pinned layers ({len(plan.pinned)} instead of {len(base.pinned)})" if lost else \
-        "no pinned layer"
+    more = "more" if delta >= 0 else "less"
+    # the words follow each count's own sign: a plan that streams the head may pin more layers
+    what = f"{abs(lost)} {'fewer' if lost > 0 else 'more'} pinned layers ({len(plan.pinned)} instead of " \
+        f"{len(base.pinned)})" if lost else "no pinned layer"
     if slots:
         what += f" and {abs(slots)} {'fewer' if slots > 0 else 'more'} stream slots"
-    head = " and streams the LM head" if plan.head_streamed and not base.head_streamed else ""
+    head = " and streams the LM head" if plan.head_streamed and not base.head_streamed else \
+        " and pins the LM head" if base.head_streamed and not plan.head_streamed else ""
     return (f"a {context}-token context takes {mib(delta)} {more} for KV rows and activations than {base_context} "
             f"tokens: {what}{head}")
 

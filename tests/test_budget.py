@@ -93,3 +93,17 @@ def test_a_longer_context_says_how_many_pinned_layers_its_kv_rows_cost():
     assert text in dataclasses.replace(long, trade=text).describe()
     assert "would not run at all" in context_trade(long, None, 4096, 1024)
     assert "less for KV rows" in context_trade(short, long, 512, 4096) and "more pinned layers" in context_trade(short, long, 512, 4096)
+
+
+def test_a_longer_context_that_trades_the_pinned_head_for_a_layer_says_so():
+    """The head pinned at the short context (no layer), streamed at the long one (a layer fits then):
+    one *more* pinned layer and a streamed head, not "1 fewer pinned layers (1 instead of 0)"."""
+    from lever_actors.budget import context_trade
+
+    layers, head = [10 * MB] * 12, [10 * MB] * 3
+    short = plan_budget(100 * MB, {"target_kv": 45 * MB}, layers, head)
+    long = plan_budget(100 * MB, {"target_kv": 60 * MB}, layers, head)
+    assert not short.head_streamed and not short.pinned and long.head_streamed and long.pinned
+    text = context_trade(long, short, 4096, 1024)
+    assert f"{len(long.pinned)} more pinned layers ({len(long.pinned)} instead of 0) and streams the LM head" in text
+    assert "pins the LM head" in context_trade(short, long, 1024, 4096)
