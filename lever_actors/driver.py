@@ -243,6 +243,7 @@ class Pipeline:
         self.stale = 0
         self.lever = LeverPolicy()  # calibration and costs persist across generations
         self.lever.costs.buckets = cfg.buckets
+        self.lever.marginal_depth = cfg.marginal_depth
         self.prune_exits: tuple[int, ...] = ()  # exit layers of lever passes (set when a pruner runs)
         self.prune_threshold: float | None = None
         self.prune_note = "off"

@@ -62,10 +62,11 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # verification lane's threads alone (not also the drafting lane's, idle once the drafts ahead are
 # done); and the opt-ins that did not pay (README): the draft's runner-up token after the main path as
 # one more outcome, drafting from the early exit's predicted outcome, and drafting ahead until the
-# pass commits
+# pass commits; and one that pays only where reads dwarf compute: the drafts ahead cut at a node's
+# marginal cost to a pass bound by its reads, not its whole compute
 MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
               "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
-              "no-core-lend")
+              "no-core-lend", "marginal-depth")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -130,6 +131,7 @@ class EngineConfig:
     commit_cut: bool = True  # lever: at the commit, trees drafted ahead for other outcomes stop growing
     exit_predict: bool = False  # lever: the early-exit layer's predicted outcome steers the drafts ahead (no gain)
     runner_up: bool = False  # lever: also draft ahead for the main path, then the draft's second-best token (no gain)
+    marginal_depth: bool = False  # lever: drafts ahead cut at a node's marginal cost (pays at 600 MiB, not at 768)
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
@@ -152,6 +154,7 @@ class EngineConfig:
                        core_borrow=self.core_borrow and "no-core-borrow" not in flags,
                        core_lend=self.core_lend and "no-core-lend" not in flags, dram_budget=budget,
                        runner_up=self.runner_up or "runner-up" in flags,
+                       marginal_depth=self.marginal_depth or "marginal-depth" in flags,
                        budget_source=source)
 
     @classmethod
@@ -184,7 +187,7 @@ class EngineConfig:
             multi_outcome=not getattr(args, "no_multi_outcome", False),
             draft_until_commit=getattr(args, "draft_until_commit", False),
             commit_cut=not getattr(args, "no_commit_cut", False), exit_predict=getattr(args, "exit_predict", False),
-            runner_up=getattr(args, "runner_up", False),
+            runner_up=getattr(args, "runner_up", False), marginal_depth=getattr(args, "marginal_depth", False),
             prompt_cache=_prompt_cache(getattr(args, "prompt_cache", None)),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
@@ -216,6 +219,8 @@ class EngineConfig:
             text += "+no-core-lend"
         if self.mode == "lever" and self.overlap and self.multi_outcome and self.runner_up:
             text += "+runner-up"
+        if self.mode == "lever" and self.adaptive_depth and self.marginal_depth:
+            text += "+marginal-depth"
         return text
 
     @property

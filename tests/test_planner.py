@@ -209,3 +209,29 @@ def test_a_waited_for_draft_goes_no_deeper_than_the_calibrated_acceptance_pays()
     assert policy(0.99).draft_limits(hidden=False, max_depth=16)[0] == 16
     assert policy(0.3).draft_limits(hidden=False, max_depth=16)[0] == 1  # at least one level
     assert policy(0.3).draft_limits(hidden=True, max_depth=16)[0] > 1  # hidden drafts cost no wait
+
+
+def test_marginal_depth_prices_a_node_at_what_it_adds_to_a_pass_bound_by_its_reads():
+    """+marginal-depth: the drafter's least path probability is the current rate times what one more
+    node adds to the pass (a small part of its compute far below the reads, nearly all of it above
+    them), not its whole compute; by default the whole compute stays the price."""
+    from lever_actors.planner import LeverPolicy
+
+    def policy(reads_s: float, marginal: bool) -> LeverPolicy:
+        pol = LeverPolicy(marginal_depth=marginal)
+        for _ in range(30):
+            for n in (4, 8, 16):  # compute 0.1 + 0.02 n
+                c = 0.1 + 0.02 * n
+                pol.costs.observe(n_nodes=n, pass_s=overlap(reads_s, c), compute_s=c, draft_s=0.0, reads_s=reads_s)
+        pol.pace.observe_draft(draft_s=0.02, calls=1, hidden=True)
+        pol.pace.observe_pass(committed=8, pass_s=0.5, waited_s=0.0)  # 16 tok/s
+        pol.last_size = 8
+        return pol
+
+    whole = policy(0.5, False).draft_limits(hidden=True, max_depth=16)[1]
+    assert whole == pytest.approx(16 * 0.02, rel=0.05)
+    far_below = policy(1.0, True)
+    step = far_below.costs.marginal_node_s(8)
+    assert 0 < step < 0.02 / 10 and far_below.draft_limits(hidden=True, max_depth=16)[1] == pytest.approx(16 * step)
+    above = policy(0.1, True)  # compute 0.26 s against 0.1 s of reads: a node costs nearly its compute
+    assert above.costs.marginal_node_s(8) == pytest.approx(0.02, rel=0.1)
