@@ -16,7 +16,7 @@ from protocols import ExitHidden, LaneGrant, LayerReleased, VerifyDone, VerifyPl
 class PassAborted(Exception):
     """The session of the pass in progress was aborted; its result would be discarded."""
 
-PREFILL_CHUNK = 64  # rows per layer call while prefilling (bounds activation memory)
+PREFILL_CHUNK = 64  # rows per layer call while prefilling (bounds activation memory; runtime.FEED_CHUNK plans it)
 
 
 def tree_visible(parents: np.ndarray, base: int) -> list[list[int]]:

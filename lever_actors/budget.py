@@ -55,7 +55,7 @@ def context_trade(plan: BudgetPlan, base: BudgetPlan | None, context: int, base_
     """In words, what ``context`` costs against ``base_context`` under the same budget: the memory
     its KV rows and activations take, paid for with pinned layers (which then stream every pass)."""
     mib = lambda n: f"{abs(n) / 2**20:,.0f} MiB"  # noqa: E731
-    per_context = ("target_kv", "draft_kv", "activations")
+    per_context = ("target_kv", "draft_kv", "activations", "draft_activations")
     grow = sum(plan.items.get(k, 0) for k in per_context)
     if base is None:
         return (f"a {context}-token context takes {mib(grow)} of KV rows and activations; "

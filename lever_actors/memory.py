@@ -19,9 +19,11 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 AUTO_SHARE = 0.5  # of MemAvailable, when no cgroup limit encloses the process
 UNLIMITED_V1 = 1 << 60  # v1 reports "no limit" as a huge page-aligned number
 # Transient allocations beyond the planned line items (numpy temporaries of a pass, msgpack
-# frames, the tokenizer's work, the allocator's own slack): measured peak RSS minus the
-# planned total on the real pair was 20-40 MiB; twice that is kept free.
-HEADROOM = 64 * 2**20
+# frames, the tokenizer's work, the allocator's own slack). It was 64 MiB while the drafter's
+# activations were left to it; with those planned (runtime.draft_activation_bytes, 24 MiB at a
+# 1024-token context), the real pair's peak under a 768 MiB budget stayed 32 MiB below the budget
+# sampled and 64 MiB greedy (docs/memory-cap-dec04d.json): 40 MiB keeps that margin and more.
+HEADROOM = 40 * 2**20
 
 _baseline: int | None = None
 

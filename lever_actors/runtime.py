@@ -54,6 +54,14 @@ PREDICT_HEAD_ROWS = 1024  # LM-head rows the prediction's lens keeps (the draft'
 
 
 SAMPLED_ROW_TEMPS = 4  # float64 vocabulary rows a sampled acceptance holds at once (p, q and temporaries)
+FEED_CHUNK = 64  # rows per layer call while a model digests a prompt (the verifier's and the drafter's)
+DRAFT_CALL_ROWS = 16  # a draft call's rows of logits, planned over the whole vocabulary (a bound)
+
+
+def layer_floats_per_row(dims: dict, context: int) -> int:
+    """fp32 values one row of a layer call holds at its peak (MLP, norms and projections, and its
+    attention scores over the context)."""
+    return 3 * dims["ffn"] + 6 * dims["hidden"] + 3 * dims["n_head"] * context
 
 
 def activation_bytes(dims: dict, context: int, verify_rows: int, sampled_rows: int, head_slice: int) -> int:
@@ -61,12 +69,17 @@ def activation_bytes(dims: dict, context: int, verify_rows: int, sampled_rows: i
     then the LM head's. A greedy pass keeps one head slice's logits at a time (``HeadScores``); a
     sampled one keeps its rows' whole logits beside the draft's distributions, and its acceptance a
     few float64 rows."""
-    from actors.npu_verify import PREFILL_CHUNK
-
-    per_row = 3 * dims["ffn"] + 6 * dims["hidden"] + 3 * dims["n_head"] * context
     vocab = dims["vocab_size"]
     head = max(verify_rows * head_slice * 4, sampled_rows * vocab * 8 + SAMPLED_ROW_TEMPS * vocab * 8)
-    return max(PREFILL_CHUNK, verify_rows) * per_row * 4 + head
+    return max(FEED_CHUNK, verify_rows) * layer_floats_per_row(dims, context) * 4 + head
+
+
+def draft_activation_bytes(dims: dict, context: int) -> int:
+    """The drafter's peak activations, beside the verifier's (the two lanes run at once): a chunk of
+    the prompt it digests, then a draft call's logits. Its attention scores grow with the context
+    as the target's do (at 4096 tokens, 47 MiB for the 0.5B draft; left to the headroom, they took
+    a 3000-token prompt over a 768 MiB budget)."""
+    return FEED_CHUNK * layer_floats_per_row(dims, context) * 4 + DRAFT_CALL_ROWS * dims["vocab_size"] * 4
 
 
 def head_slice_rows(bundle) -> int:
@@ -111,6 +124,7 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
         items = {"runtime": runtime_baseline(), "headroom": HEADROOM, **items}
     if draft_bundle is not None:
         items["draft_weights"] = draft_bytes
+        items["draft_activations"] = draft_activation_bytes(draft_bundle.dims, cfg.context)
         items["draft_kv"] = cfg.context * kv_row_bytes(draft_bundle, draft_bundle.layout, precision)
     budget = cfg.dram_budget if cfg.mode != "resident-ar" else None
     if target.layout != "native" and budget is not None:

@@ -569,3 +569,20 @@ def test_expansion_depth_counts_the_levels_drafted():
 
     assert expansion_depth(SimpleNamespace(parents=[])) == 0
     assert expansion_depth(SimpleNamespace(parents=[-1, -1, 0, 2, 1])) == 3  # root -> 0 -> 2 -> 3
+
+
+def test_the_drafters_activations_are_planned_and_grow_with_the_context(tiny_bundles):
+    """The drafter computes beside the verifier, so its peak (a prompt chunk's attention over the
+    context, a draft call's logits) is a line item of its own; left to the headroom it took a
+    3000-token prompt at a 4096-token context over a 768 MiB budget on the real pair."""
+    from lever_actors.bundle import load_bundle
+    from lever_actors.runtime import build_budget, draft_activation_bytes
+
+    target, draft = (load_bundle(b) for b in tiny_bundles)
+    plans = {ctx: build_budget(EngineConfig(mode="lever", gamma=8, context=ctx, dram_budget=None), target, draft, 0)
+             for ctx in (256, 1024)}
+    for ctx, plan in plans.items():
+        assert plan.items["draft_activations"] == draft_activation_bytes(draft.dims, ctx)
+    assert plans[1024].items["draft_activations"] > plans[256].items["draft_activations"]
+    alone = build_budget(EngineConfig(mode="flash-ar", context=1024, dram_budget=None), target, None, 0)
+    assert "draft_activations" not in alone.items
