@@ -6,6 +6,7 @@ import time
 import numpy as np
 import trio
 
+from lever_actors.model import FEED_CHUNK
 from lever_actors.prune import ALTERNATIVES
 from lever_actors.scratch_tree import ScratchTree
 from protocols import DraftExpansion, DraftRequest, DraftSteer, LaneGrant
@@ -202,8 +203,8 @@ class Drafter:
         from lever_actors.model import causal_layout
 
         kv, last = self.m.kv, None
-        for lo in range(0, len(tokens), 64):
-            part = tokens[lo:lo + 64]
+        for lo in range(0, len(tokens), FEED_CHUNK):
+            part = tokens[lo:lo + FEED_CHUNK]
             p0 = kv.length
             slots = np.arange(p0, p0 + len(part))
             last = self.m.forward_resident(part, slots, slots, causal_layout(kv.context, p0, len(part)))[-1]

@@ -7,6 +7,7 @@ import numpy as np
 import trio
 
 from lever_actors.head_scores import HeadScores
+from lever_actors.model import FEED_CHUNK
 from lever_actors.planner import bucket_for
 from lever_actors.prune import directly_pruned
 from lever_actors.errors import FlashFault
@@ -16,7 +17,6 @@ from protocols import ExitHidden, LaneGrant, LayerReleased, VerifyDone, VerifyPl
 class PassAborted(Exception):
     """The session of the pass in progress was aborted; its result would be discarded."""
 
-PREFILL_CHUNK = 64  # rows per layer call while prefilling (bounds activation memory; runtime.FEED_CHUNK plans it)
 
 
 def tree_visible(parents: np.ndarray, base: int) -> list[list[int]]:
@@ -230,7 +230,7 @@ class NpuVerifier:
         from lever_actors.model import attention_layout, causal_layout
 
         if plan.prefill:
-            self._chunks = [(lo, min(lo + PREFILL_CHUNK, n)) for lo in range(0, n, PREFILL_CHUNK)]
+            self._chunks = [(lo, min(lo + FEED_CHUNK, n)) for lo in range(0, n, FEED_CHUNK)]
             layouts = [causal_layout(kv.context, base + lo, hi - lo) for lo, hi in self._chunks]
             rows = np.array([n - 1])
         else:

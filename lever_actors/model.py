@@ -27,6 +27,10 @@ from lever_actors.graphs import NEG, build_head, build_layer
 from lever_actors.ortrt import LaneConfig, make_session
 from lever_actors.quant import dequantize_rows
 
+# rows per layer call while a model digests a prompt (the verifier's prefill, the drafter's feed):
+# it bounds their activations, and the DRAM plan counts exactly this many (runtime.activation_bytes)
+FEED_CHUNK = 64
+
 
 def kv_dtype(layout: str, precision: str):
     """The KV rows' format: fp16 for the native kernels at int8 activations (half the bytes, as
@@ -358,7 +362,7 @@ class Transformer:
             x = self.run_layer(i, self.resident[i], x, feeds, slots)
         return x
 
-    def prefill(self, tokens: list[int], chunk: int = 64) -> np.ndarray:
+    def prefill(self, tokens: list[int], chunk: int = FEED_CHUNK) -> np.ndarray:
         """Run the prompt through a resident model in chunks; returns the last hidden row."""
         last = None
         for s in range(0, len(tokens), chunk):

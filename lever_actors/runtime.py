@@ -32,7 +32,7 @@ from lever_actors.driver import Pipeline, RunStats  # noqa: F401 - the pipeline 
 from lever_actors.errors import BudgetError, ConfigError, ModelIncompatible
 from lever_actors.flashio import FlashFile, aligned_buffer
 from lever_actors.lanes import ThreadLanes
-from lever_actors.model import Transformer
+from lever_actors.model import FEED_CHUNK, Transformer
 from lever_actors.ortrt import LaneConfig
 from lever_actors.prefix_cache import PrefixStore
 from lever_actors.trace import TRACE_FILE_EVENTS, Tracer
@@ -54,7 +54,6 @@ PREDICT_HEAD_ROWS = 1024  # LM-head rows the prediction's lens keeps (the draft'
 
 
 SAMPLED_ROW_TEMPS = 4  # float64 vocabulary rows a sampled acceptance holds at once (p, q and temporaries)
-FEED_CHUNK = 64  # rows per layer call while a model digests a prompt (the verifier's and the drafter's)
 DRAFT_CALL_ROWS = 16  # a draft call's rows of logits, planned over the whole vocabulary (a bound)
 
 
