@@ -24,20 +24,36 @@ from lever_actors.memory import MemoryCgroup  # noqa: E402
 DECODING = {"greedy": [], "sampled T=0.8": ["--temperature", "0.8", "--seed", "1"]}
 
 
+def budget_list(text: str) -> list[int]:
+    """'768,600' -> [768, 600]: whole MiB, each at least 1."""
+    try:
+        budgets = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole MiB separated by commas, e.g. 768,600") from None
+    if not budgets or min(budgets) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every budget must be at least 1 MiB")
+    return budgets
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budgets", default="768", help="comma-separated budgets in MiB (default 768)")
+    ap.add_argument("--budgets", type=budget_list, default=[768], help="comma-separated budgets in MiB (default 768)")
     ap.add_argument("--mode", default="lever")
     ap.add_argument("--humaneval", type=int, default=3, help="the prompt (a development problem by default)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     out, ok = {}, True
-    for budget in (int(b) for b in a.budgets.split(",")):
+    for budget in a.budgets:
         for label, extra in DECODING.items():
             for factor in (1.0, 1.25):
                 name = f"{a.mode} {budget}MiB {label} limit x{factor}"
-                with MemoryCgroup(f"lever-cap-{budget}-{len(out)}", int(budget * 2**20 * factor)) as cg:
+                try:
+                    cg = MemoryCgroup(f"lever-cap-{budget}-{len(out)}", int(budget * 2**20 * factor))
+                except OSError as e:
+                    sys.exit(f"measure_memory_cap: cannot create a memory cgroup here ({e}); it needs root and "
+                             "a memory controller (cgroup v1 or v2)")
+                with cg:
                     p = subprocess.run([sys.executable, "-m", "lever_actors", "generate", "--humaneval",
                                         str(a.humaneval), "--mode", a.mode, "--dram-budget", f"{budget}MiB",
                                         "--max-tokens", str(a.max_tokens), *extra],
