@@ -28,12 +28,13 @@ from actors.flash_prefetch import FlashPrefetcher, StreamStage
 from actors.npu_verify import NpuVerifier
 from lever_actors.budget import BudgetPlan, context_trade, plan_budget
 from lever_actors.bundle import load_bundle, read_region
-from lever_actors.driver import Pipeline, RunStats  # noqa: F401 - the pipeline open_pipeline yields
+from lever_actors.driver import SAMPLED_MAX_DEPTH, SAMPLED_WIDTH, Pipeline, RunStats  # noqa: F401 - the pipeline open_pipeline yields
 from lever_actors.errors import BudgetError, ConfigError, ModelIncompatible
 from lever_actors.flashio import FlashFile, aligned_buffer
 from lever_actors.lanes import ThreadLanes
 from lever_actors.model import FEED_CHUNK, Transformer
 from lever_actors.ortrt import LaneConfig
+from lever_actors.planner import bucket_for
 from lever_actors.prefix_cache import PrefixStore
 from lever_actors.trace import TRACE_FILE_EVENTS, Tracer
 
@@ -90,9 +91,6 @@ def head_slice_rows(bundle) -> int:
 def verify_rows(cfg) -> tuple[int, int]:
     """(rows of the largest tree a pass verifies, ... of a sampled pass): sampled lever's trees follow
     its own rule (``driver.SAMPLED_*``), every other tree may take the configured size."""
-    from lever_actors.driver import SAMPLED_MAX_DEPTH, SAMPLED_WIDTH
-    from lever_actors.planner import bucket_for
-
     rows = bucket_for(cfg.gamma + 1 if cfg.drafted else 1, cfg.buckets)
     if cfg.mode == "lever" and cfg.adaptive_depth:
         return rows, min(rows, bucket_for(min(cfg.gamma, SAMPLED_WIDTH * SAMPLED_MAX_DEPTH) + 1, cfg.buckets))
