@@ -351,7 +351,8 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         done_send, done_recv = trio.open_memory_channel(caps["done"])
         commit_send, commit_recv = trio.open_memory_channel(caps["commits"])
         stats_send, stats_recv = trio.open_memory_channel(caps["stats"])
-        lanes = lanes or ThreadLanes({"build": cfg.build_threads})
+        # a native layer wraps its buffer in microseconds: built on the event loop, not in a thread
+        lanes = lanes or ThreadLanes({"build": cfg.build_threads}, inline=("build",) if target.native else ())
         prefetcher = FlashPrefetcher(stages, pool, files, ready_send, rel_recv, lanes, tracer, cfg.flash_bandwidth)
         pruner = None
         steer_send, steer_recv = trio.open_memory_channel(caps["steers"]) if steering(cfg) else (None, None)
