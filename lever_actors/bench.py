@@ -108,8 +108,9 @@ def summarize(rows: list[dict]) -> dict:
 
 def _pipeline_summary(rows: list[dict], passes: int) -> dict:
     """Where a pass goes: the pipeline bound (the largest of flash, compute and the draft time the passes
-    waited for), efficiency = bound / measured pass, the drafter's share of the wait, and the flash
-    bandwidth the run's own reads achieved."""
+    waited for), efficiency = bound / measured pass, the tokens a second the mode would reach if every
+    pass took only its bound (its ceiling, for the tokens its passes committed), the drafter's share of
+    the wait, and the flash bandwidth the run's own reads achieved."""
     def total(key):
         return sum(r["stats"].get(key) or 0 for r in rows)
 
@@ -117,6 +118,7 @@ def _pipeline_summary(rows: list[dict], passes: int) -> dict:
     pass_s, wait_s, io_s = total("pass_s"), total("draft_wait_s"), total("io_s")
     parts = {"flash": io_s / p, "compute": total("compute_s") / p, "draft": wait_s / p}
     bound = max(parts.values())
+    committed = sum((r["stats"].get("mean_accepted") or 0) * (r["stats"].get("passes") or 0) for r in rows)
     hits, misses = total("spec_hits"), total("spec_misses")
     tokens, busy = total("draft_tokens"), total("draft_busy_s")
     return {
@@ -124,6 +126,7 @@ def _pipeline_summary(rows: list[dict], passes: int) -> dict:
         "draft_wait_share": wait_s / pass_s if pass_s > 0 else 0.0,
         "pipeline_bound_s": bound, "pipeline_bound_part": max(parts, key=parts.get),
         "efficiency": bound / (pass_s / p) if pass_s > 0 else None,
+        "bound_tokens_per_s": committed / (p * bound) if bound > 0 else None,
         "spec_hit_rate": hits / (hits + misses) if hits + misses else None,
         "draft_ms_per_token": 1e3 * busy / tokens if tokens else None,
         "run_read_bytes_per_s": total("flash_bytes_read") / io_s if io_s > 0 else None,
@@ -335,7 +338,7 @@ def print_table(results: dict, modes: list[str]) -> None:
               f"then CRC32 of 3 pages per read): at most {100 * checks[worst]:.1f}% of read time ({worst}), "
               f"{1e3 * results['modes'][worst]['integrity_s_per_pass']:.1f} ms per pass")
     cols = ("mode", "tok/s", "ms/tok", "floor", "acc/pass", "MB/tok", "io s/pass", "cmp s/pass", "wait/pass",
-            "pass s", "effic.", "hit rate", "draft ms", "vs flash-ar", "vs chain", "vs resident", "pruned",
+            "pass s", "effic.", "bound tok/s", "hit rate", "draft ms", "vs flash-ar", "vs chain", "vs resident", "pruned",
             "prune P/R")
     print(" ".join(f"{c:>12}" for c in cols))
     for m in modes:
@@ -345,6 +348,7 @@ def print_table(results: dict, modes: list[str]) -> None:
                 f"{r['mean_accepted']:.2f}",
                 f"{r['flash_bytes_per_token'] / 1e6:.1f}", f"{r['io_s_per_pass']:.3f}", f"{r['compute_s_per_pass']:.3f}",
                 f"{r['draft_wait_s_per_pass']:.3f}", f"{r['pass_s_per_pass']:.3f}", _num(r.get("efficiency")),
+                _num(r.get("bound_tokens_per_s")),
                 _num(r.get("spec_hit_rate")), _num(r.get("draft_ms_per_token"), "{:.1f}"),
                 "-" if sp is None else f"{sp:.2f}x",
                 _ratio(r.get("speedup_vs_best_chain")), _ratio(r.get("vs_resident_ar")), str(r.get("pruned_nodes", 0)),
