@@ -65,6 +65,8 @@ class Drafter:
         # predictions scored against their commit and those right, trees planted for a prediction
         self.steer_counts = {"applied": 0, "checked": 0, "right": 0, "planted": 0}
         self._predictions: dict[tuple[int, int], DraftSteer] = {}  # (session, pass) -> its prediction, until its commit
+        self.level_s: float | None = None  # one level of a steered draft (seconds, moving average)
+        self.deadline_stops = 0  # steered drafts that stopped before a level that would outlast their deadline
 
     def _use_threads(self, n: int) -> None:
         """Kernel threads of this draft (its own, or borrowed from the idle verification lane)."""
@@ -116,11 +118,21 @@ class Drafter:
             self._take_steers(req)
             if not any(t["active"] for t in self.growing["trees"]) or (req.levels and levels >= req.levels):
                 break
+            if levels and not self.level_in_time(req, time.perf_counter()):
+                self.deadline_stops += 1
+                break
+            t1 = time.perf_counter()
             await self.lanes.run("cpu", self._grow_levels, 1, t0)
+            self.level_s = _ema(self.level_s, time.perf_counter() - t1)
             t0, levels = None, levels + 1
         if t0 is not None:  # no level drawn: assuming the outcomes was all the drafting
             self.growing["draft_s"] += time.perf_counter() - t0
         return self._answer(req)
+
+    def level_in_time(self, req: DraftRequest, now: float) -> bool:
+        """Whether one more level, at the pace of the levels drafted so far, ends by the request's
+        deadline (always, without a deadline or before a level was timed)."""
+        return not req.deadline_s or self.level_s is None or now + self.level_s <= req.deadline_s
 
     # -- steering -----------------------------------------------------------------------------------
 
@@ -539,3 +551,7 @@ def keep_level(cands: list[tuple], room: int, greedy: bool, parent_p: dict) -> l
     # depend on what it drew (ties keep the frontier's order)
     order = sorted(range(len(cands)), key=lambda i: (-parent_p[cands[i][1]], i))
     return [cands[i] for i in order[:room]]
+
+
+def _ema(old: float | None, new: float, alpha: float = 0.25) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new

@@ -74,6 +74,9 @@ ABLATIONS = (
                        "alone, not also on the verification lane's idle ones (lever and the pipelined chains)"),
     ("no-core-lend", "the rest of a pass runs on the verification lane's threads alone, not also on the "
                      "drafting lane's once the drafts ahead are done (lever and the pipelined chains)"),
+    ("level-deadline", "lever's drafts ahead draw no level (after their first) that would end after the pass "
+                       "they are drafted beside is expected to commit: a level still running at the commit "
+                       "delays the next pass"),
     ("marginal-depth", "lever's drafts stop deepening where a node is no longer worth what it adds to a pass "
                        "bound by its reads (a part of its compute), not its whole compute: deeper drafts ahead; "
                        "pays where the reads dwarf the compute (600 MiB), not at 768 MiB, so off by default"),
@@ -85,7 +88,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
-                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +marginal-depth (default "
+                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +marginal-depth / +level-deadline (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",

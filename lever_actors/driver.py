@@ -293,6 +293,7 @@ class Pipeline:
         io_before, t_io0, t_start = self.prefetcher.bytes_read, self.tracer.busy("flash"), self.tracer.now_s()
         check0 = self.prefetcher.check_s
         steer0 = dict(self.drafter.steer_counts) if self.drafter is not None else {}
+        stops0 = self.drafter.deadline_stops if self.drafter is not None else 0
         if self.pruner is not None:
             steer0["predicted"] = self.pruner.predictions
         t_prefill = time.perf_counter()
@@ -325,6 +326,8 @@ class Pipeline:
         for k, v0 in steer0.items():  # the exit layer's outcome predictions and the trees planted for them
             now = self.pruner.predictions if k == "predicted" else self.drafter.steer_counts[k]
             out[2][f"exit_{k}"] = now - v0
+        if self.drafter is not None:  # drafts ahead that stopped before a level that would outlast the pass
+            out[2]["deadline_stops"] = self.drafter.deadline_stops - stops0
         return out
 
     def _begin(self, prompt_ids, max_tokens, params) -> Generation:
@@ -490,6 +493,9 @@ class Pipeline:
             # measured: no gain on held-out prompts, README)
             ranks = (0, 1) if h == 0 and extra and self.cfg.runner_up else (0,)
             hyps += [(path, excluded, nodes, limits["max_depth"], rank) for rank in ranks]
+        pace = self.lever.pace
+        if self._planning(g) and self.cfg.level_deadline and not until_commit and pace.verify_s:
+            limits["deadline_s"] = g.verify_start + pace.verify_s  # when this pass is expected to commit
         await self.draft_send.send(DraftRequest(
             session_id=g.sid, step=g.step + 1, epoch=0, root_token=g.root, position=g.position, top_k=g.top_k,
             hypotheses=tuple(hyps), **limits, **g.spec.settle_fields(), **g.sampling))

@@ -66,7 +66,7 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # marginal cost to a pass bound by its reads, not its whole compute
 MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
               "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
-              "no-core-lend", "marginal-depth")
+              "no-core-lend", "marginal-depth", "level-deadline")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -131,6 +131,7 @@ class EngineConfig:
     commit_cut: bool = True  # lever: at the commit, trees drafted ahead for other outcomes stop growing
     exit_predict: bool = False  # lever: the early-exit layer's predicted outcome steers the drafts ahead (no gain)
     runner_up: bool = False  # lever: also draft ahead for the main path, then the draft's second-best token (no gain)
+    level_deadline: bool = False  # lever: drafts ahead draw no level that would outlast the pass
     marginal_depth: bool = False  # lever: drafts ahead cut at a node's marginal cost (pays at 600 MiB, not at 768)
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
@@ -155,6 +156,7 @@ class EngineConfig:
                        core_lend=self.core_lend and "no-core-lend" not in flags, dram_budget=budget,
                        runner_up=self.runner_up or "runner-up" in flags,
                        marginal_depth=self.marginal_depth or "marginal-depth" in flags,
+                       level_deadline=self.level_deadline or "level-deadline" in flags,
                        budget_source=source)
 
     @classmethod
@@ -221,6 +223,8 @@ class EngineConfig:
             text += "+runner-up"
         if self.mode == "lever" and self.adaptive_depth and self.marginal_depth:
             text += "+marginal-depth"
+        if self.mode == "lever" and self.overlap and self.level_deadline:
+            text += "+level-deadline"
         return text
 
     @property

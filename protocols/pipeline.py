@@ -145,7 +145,7 @@ class LayerReleased(PipelineMessage):
 class DraftRequest(PipelineMessage):
     """-> Drafter: grow a candidate tree below ``root_token`` at sequence ``position``."""
     KIND: ClassVar[str] = "draft.request"
-    VERSION: ClassVar[int] = 8
+    VERSION: ClassVar[int] = 9
     root_token: int
     position: int        # sequence position of root_token
     max_nodes: int
@@ -192,6 +192,11 @@ class DraftRequest(PipelineMessage):
     # answer lists each tree so far, ``growing`` when it could still grow.
     levels: int = 0
     extend: bool = False
+    # v9: a cross-step request drafted one level per draft call draws no level after its first that
+    # would end after ``deadline_s`` (the process's ``time.perf_counter``; 0 = none): the pass it is
+    # drafted beside is expected to commit then, and a level still being drafted at the commit
+    # delays the next pass (after a miss, the next draft waits behind it)
+    deadline_s: float = 0.0
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -228,6 +233,10 @@ class DraftRequest(PipelineMessage):
         body["hypotheses"] = tuple(tuple(h) + (0,) for h in body.get("hypotheses", ()))
         return body
 
+    @staticmethod
+    def upgrade_from_8(body: dict) -> dict:
+        return body  # v9 only adds a field with a default
+
     def _check(self) -> None:
         _non_negative(self, "root_token", "position", "max_nodes", "max_depth", "threads", "levels")
         if self.top_k < 1:
@@ -236,6 +245,8 @@ class DraftRequest(PipelineMessage):
             raise ValueError("DraftRequest.extend continues the last trees: no commit, reset or hypotheses with it")
         if not 0.0 <= self.min_path_p <= 1.0:  # also rejects NaN
             raise ValueError(f"DraftRequest.min_path_p must lie in [0, 1], got {self.min_path_p}")
+        if not 0.0 <= self.deadline_s < float("inf"):  # also rejects NaN
+            raise ValueError(f"DraftRequest.deadline_s must be a finite time >= 0, got {self.deadline_s}")
         if self.confirmed_hypothesis < -1:
             raise ValueError("DraftRequest.confirmed_hypothesis must be -1 (none) or a hypothesis index")
         for path, excluded, max_nodes, max_depth, rank in self.hypotheses:

@@ -42,7 +42,7 @@ _SAMPLE_LIST: list[Message] = [
     DraftRequest(**_HEADER, root_token=151_643, position=128, max_nodes=32, max_depth=6, top_k=4,
                  committed=(262, 151_643), reset=False, temperature=0.75, top_p=0.875, seed=11,
                  min_path_p=0.375, threads=2, reuse_prefix=True, confirmed_hypothesis=1, levels=2,
-                 hypotheses=(((198, 220), (), 16, 8, 0), ((198,), (220, 262), 6, 6, 0), ((198, 220), (), 4, 4, 1))),
+                 hypotheses=(((198, 220), (), 16, 8, 0), ((198,), (220, 262), 6, 6, 0), ((198, 220), (), 4, 4, 1)), deadline_s=1234.5),
     DraftExpansion(
         **_HEADER, root_token=151_643, position=128,
         parents=_i32(-1, -1, 0, 0, 2), tokens=_i32(198, 220, 262, 1_000, 151_645),

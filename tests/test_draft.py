@@ -272,6 +272,44 @@ def test_the_commit_cut_stops_the_other_outcomes_and_caps_the_one_that_held(tiny
     _check_rows(cut, bundle, PROMPT + list(held))
 
 
+def _steered(d: Drafter, req: DraftRequest):
+    """Run ``req`` as the drafter's run loop does a cross-step request: a level per lane call."""
+    from lever_actors.lanes import VirtualLanes
+
+    d.lanes = VirtualLanes(lambda *a: 0.0)
+    d.steer_recv = trio.open_memory_channel(1)[1]
+    return trio.run(d._draft_steered, req)
+
+
+def test_a_draft_ahead_draws_no_level_after_its_first_that_would_outlast_its_deadline(tiny_bundles):
+    """+level-deadline: the pass is expected to commit at ``deadline_s``; a level that would still run
+    then is not started (the first level always is), and the trees drawn are those a drafter without
+    a deadline draws, cut short."""
+    hyps = (((), (), 6, 6, 0), ((), (0,), 6, 6, 0))
+    answers, stops = {}, {}
+    for name, deadline in (("none", 0.0), ("far", 1e9), ("past", 1e-9)):
+        d = _drafter(tiny_bundles[1])
+        _first(d, max_nodes=0, max_depth=0)
+        answers[name] = _steered(d, _req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=hyps,
+                                         deadline_s=deadline))
+        stops[name] = d.deadline_stops
+    assert [len(e.tokens) for e in answers["none"]] == [6, 6] and stops["none"] == 0
+    assert [len(e.tokens) for e in answers["far"]] == [6, 6] and stops["far"] == 0
+    assert [len(e.tokens) for e in answers["past"]] == [1, 1] and stops["past"] == 1
+    for cut, whole in zip(answers["past"], answers["none"]):
+        assert cut.assumed == whole.assumed
+        np.testing.assert_array_equal(cut.tokens, whole.tokens[:1])
+
+
+def test_a_level_is_in_time_by_the_pace_of_the_levels_before_it(tiny_bundles):
+    d = _drafter(tiny_bundles[1])
+    req = _req(1, deadline_s=10.0)
+    assert d.level_in_time(req, 9.99)  # no level timed yet
+    d.level_s = 0.5
+    assert d.level_in_time(req, 9.5) and not d.level_in_time(req, 9.51)
+    assert d.level_in_time(_req(1), 1e6)  # no deadline
+
+
 def test_a_cut_with_no_outcome_held_stops_every_tree(tiny_bundles):
     d = _drafter(tiny_bundles[1])
     (tree,) = _first(d)

@@ -190,7 +190,8 @@ def test_steered_drafting_changes_no_token(tiny_bundles, unrelated_draft, ar_tok
     draft = {"perturbed": tiny_bundles[1], "unrelated": unrelated_draft}[draft_kind]
     ids = tokenizer(target).encode(PROMPT)
     runs = {}
-    for mode in ("lever:16", "lever:16+exit-predict", "lever:16+no-commit-cut", "lever:16+no-commit-cut+exit-predict"):
+    for mode in ("lever:16", "lever:16+exit-predict", "lever:16+no-commit-cut", "lever:16+no-commit-cut+exit-predict",
+                 "lever:16+level-deadline"):
         # every layer streamed (the multi-outcome test says why)
         cfg = EngineConfig(context=CONTEXT, dram_budget=_min_budget(target, draft, mode),
                            flash_bandwidth=20e6).with_mode(mode)
@@ -204,6 +205,7 @@ def test_steered_drafting_changes_no_token(tiny_bundles, unrelated_draft, ar_tok
         assert 0 <= stats["exit_right"] <= stats["exit_checked"] <= stats.get("exit_predicted", 0)
         assert stats["exit_applied"] <= stats.get("exit_predicted", 0)
         assert stats["spec_predicted_hits"] <= stats["exit_planted"]
+        assert stats["deadline_stops"] == 0 or "level-deadline" in mode  # (the drafter's tests cut levels)
     assert runs["lever:16+exit-predict"]["exit_checked"] > 0  # scored against the commit the cut names
     # (whether a prediction still finds its request drafting is timing: the drafter's tests plant trees)
 
