@@ -61,9 +61,9 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # lane's threads alone (not also the verification lane's idle ones); the rest of a pass on the
 # verification lane's threads alone (not also the drafting lane's, idle once the drafts ahead are
 # done); and the opt-ins that did not pay (README): the draft's runner-up token after the main path as
-# one more outcome, drafting from the early exit's predicted outcome, and drafting ahead until the
-# pass commits; and one that pays only where reads dwarf compute: the drafts ahead cut at a node's
-# marginal cost to a pass bound by its reads, not its whole compute
+# one more outcome, drafting from the early exit's predicted outcome, drafting ahead until the pass
+# commits, the drafts ahead cut at a node's marginal cost to a pass bound by its reads (not its whole
+# compute), and no level drafted ahead that would outlast the pass
 MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
               "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
               "no-core-lend", "marginal-depth", "level-deadline")
@@ -131,8 +131,8 @@ class EngineConfig:
     commit_cut: bool = True  # lever: at the commit, trees drafted ahead for other outcomes stop growing
     exit_predict: bool = False  # lever: the early-exit layer's predicted outcome steers the drafts ahead (no gain)
     runner_up: bool = False  # lever: also draft ahead for the main path, then the draft's second-best token (no gain)
-    level_deadline: bool = False  # lever: drafts ahead draw no level that would outlast the pass
-    marginal_depth: bool = False  # lever: drafts ahead cut at a node's marginal cost (pays at 600 MiB, not at 768)
+    level_deadline: bool = False  # lever: drafts ahead draw no level that would outlast the pass (no gain)
+    marginal_depth: bool = False  # lever: drafts ahead cut at a node's marginal cost (no steady gain)
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""

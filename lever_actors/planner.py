@@ -288,7 +288,8 @@ class LeverPolicy:
     last_size: int = 0
     # +marginal-depth: price a node for the drafter's depth cut at what it adds to the pass (as the
     # planner does), not its whole compute. Deeper drafts ahead then also hold the drafting core longer,
-    # which the pass feels where compute nears the reads (768 MiB: 0.9x; 600 MiB: 1.1x; README)
+    # which the pass feels where compute nears the reads (768 MiB: 0.92-1.04x; 600 MiB: 1.21x in one run,
+    # 0.98x in another; README)
     marginal_depth: bool = False
 
     def seed(self, n_rows: int, io_s: float, compute_s: float) -> None:
