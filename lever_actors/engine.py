@@ -190,6 +190,7 @@ class EngineConfig:
             draft_until_commit=getattr(args, "draft_until_commit", False),
             commit_cut=not getattr(args, "no_commit_cut", False), exit_predict=getattr(args, "exit_predict", False),
             runner_up=getattr(args, "runner_up", False), marginal_depth=getattr(args, "marginal_depth", False),
+            level_deadline=getattr(args, "level_deadline", False),
             prompt_cache=_prompt_cache(getattr(args, "prompt_cache", None)),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 

@@ -293,6 +293,19 @@ def test_every_ablation_is_both_a_flag_and_a_mode_suffix():
         assert f"+{flag}" in cfg.mode_string()
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_ablation_flag_takes_effect_like_its_mode_suffix(command):
+    """``--FLAG`` on the command line configures what ``+FLAG`` on the mode does (a flag the
+    configuration forgot to read would be accepted and silently ignored)."""
+    from lever_actors.cli import build_parser
+    from lever_actors.engine import MODE_FLAGS, EngineConfig
+
+    positional = ["a prompt"] if command == "generate" else []
+    for flag in MODE_FLAGS:
+        args = build_parser().parse_args([command, *positional, "--mode", "lever:8", f"--{flag}"])
+        assert f"+{flag}" in EngineConfig.from_args(args).mode_string(), flag
+
+
 def test_bench_budget_sweep_runs_what_fits_and_names_what_was_refused(tiny_bundles, tmp_path, capsys):
     from lever_actors.cli import main
 
