@@ -7,6 +7,7 @@ import numpy as np
 import trio
 
 from lever_actors.model import FEED_CHUNK
+from lever_actors.planner import ema
 from lever_actors.prune import ALTERNATIVES
 from lever_actors.scratch_tree import ScratchTree
 from protocols import DraftExpansion, DraftRequest, DraftSteer, LaneGrant
@@ -123,7 +124,7 @@ class Drafter:
                 break
             t1 = time.perf_counter()
             await self.lanes.run("cpu", self._grow_levels, 1, t0)
-            self.level_s = _ema(self.level_s, time.perf_counter() - t1)
+            self.level_s = ema(self.level_s, time.perf_counter() - t1)
             t0, levels = None, levels + 1
         if t0 is not None:  # no level drawn: assuming the outcomes was all the drafting
             self.growing["draft_s"] += time.perf_counter() - t0
@@ -551,7 +552,3 @@ def keep_level(cands: list[tuple], room: int, greedy: bool, parent_p: dict) -> l
     # depend on what it drew (ties keep the frontier's order)
     order = sorted(range(len(cands)), key=lambda i: (-parent_p[cands[i][1]], i))
     return [cands[i] for i in order[:room]]
-
-
-def _ema(old: float | None, new: float, alpha: float = 0.25) -> float:
-    return new if old is None else (1 - alpha) * old + alpha * new

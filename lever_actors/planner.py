@@ -86,6 +86,11 @@ class AcceptanceCalibration:
 OVERLAP_POWER = 4.0  # reads and compute of a pass combine as an L4 norm (see overlap)
 
 
+def ema(old: float | None, new: float, alpha: float = 0.25) -> float:
+    """An exponentially weighted moving average's next value (the first measurement starts it)."""
+    return new if old is None else (1 - alpha) * old + alpha * new
+
+
 def overlap(reads_s: float, compute_s: float) -> float:
     """Time of a pass whose flash reads and layer compute run side by side through two stream
     slots: the larger of the two when the other is small, about 1.19x either when they are equal
@@ -119,7 +124,7 @@ class CostModel:
     _sums: np.ndarray = field(default_factory=lambda: np.zeros(5))  # weights of 1, n, n^2, c, n*c
 
     def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+        return ema(old, new, self.alpha)
 
     def observe(self, n_nodes: int, pass_s: float, compute_s: float, draft_s: float,
                 reads_s: float | None = None) -> None:
@@ -239,7 +244,7 @@ class DraftPace:
     rate: float | None = None
 
     def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+        return ema(old, new, self.alpha)
 
     def observe_draft(self, draft_s: float, calls: int, hidden: bool = False) -> None:
         if calls > 0 and draft_s > 0:
