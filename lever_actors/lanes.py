@@ -9,6 +9,9 @@ clock instead of using threads, so overlap can be checked exactly under MockCloc
 """
 from __future__ import annotations
 
+import queue
+import threading
+from contextlib import asynccontextmanager
 from typing import Callable
 
 import trio
@@ -30,6 +33,58 @@ class ThreadLanes:
             return fn(*args)
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiters[lane])
 
+    @asynccontextmanager
+    async def serial(self, lane: str, capacity: int):
+        """A thread of the lane's own for a stream of calls, run one after another in the order
+        submitted, each result posted without waiting for the event loop. The next call starts the
+        moment the last one ends if it was already submitted: on two busy cores, the round trip
+        through the event loop between two reads (result back, next call out, a worker woken)
+        cost a mean 0.8 ms a read (p90 1.8 ms), 7% of a decode pass. At most ``capacity`` calls
+        may be outstanding. Leaving waits for the call in progress (a thread cannot be
+        interrupted, and its buffer must outlive it), abandoning those not started."""
+        results_send, results_recv = trio.open_memory_channel(max(capacity, 1))
+        token = trio.lowlevel.current_trio_token()
+        jobs: queue.SimpleQueue = queue.SimpleQueue()
+        stop = threading.Event()
+
+        def post(outcome) -> None:
+            try:
+                results_send.send_nowait(outcome)
+            except (trio.WouldBlock, trio.ClosedResourceError):  # no one collects any more
+                pass
+
+        def work() -> None:
+            while True:
+                job = jobs.get()
+                if job is None or stop.is_set():
+                    return
+                fn, args = job
+                try:
+                    outcome = (True, fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the submitter, who raises it
+                    outcome = (False, exc)
+                token.run_sync_soon(post, outcome)
+
+        async with self.limiters[lane]:  # the lane is this thread's while it lives
+            thread = threading.Thread(target=work, name=f"lever-{lane}", daemon=True)
+            thread.start()
+            try:
+                yield SerialLane(lambda fn, *args: jobs.put((fn, args)), results_recv)
+            finally:
+                stop.set()
+                jobs.put(None)
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(thread.join)
+                results_send.close()
+
+
+class SerialLane:
+    """What :meth:`ThreadLanes.serial` yields: ``submit(fn, *args)`` (never blocks) and
+    ``results``, which receives ``(True, value)`` or ``(False, exception)`` per call, in order."""
+
+    def __init__(self, submit: Callable, results) -> None:
+        self.submit, self.results = submit, results
+
 
 class VirtualLanes:
     """Runs ``fn`` inline and then sleeps ``cost(lane, *args)`` virtual seconds holding the lane."""
@@ -46,3 +101,25 @@ class VirtualLanes:
             self.busy[lane] = self.busy.get(lane, 0.0) + seconds
             await trio.sleep(seconds)
             return out
+
+    @asynccontextmanager
+    async def serial(self, lane: str, capacity: int):
+        """The same contract as :meth:`ThreadLanes.serial`, on virtual time: one task runs the
+        submitted calls in order through :meth:`run`."""
+        jobs_send, jobs_recv = trio.open_memory_channel(max(capacity, 1))
+        results_send, results_recv = trio.open_memory_channel(max(capacity, 1))
+
+        async def work() -> None:
+            async for fn, args in jobs_recv:
+                try:
+                    outcome = (True, await self.run(lane, fn, *args))
+                except Exception as exc:  # noqa: BLE001 - handed to the submitter
+                    outcome = (False, exc)
+                results_send.send_nowait(outcome)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(work)
+            try:
+                yield SerialLane(lambda fn, *args: jobs_send.send_nowait((fn, args)), results_recv)
+            finally:
+                nursery.cancel_scope.cancel()

@@ -334,7 +334,9 @@ def test_no_deadlock_and_lossless_at_any_channel_capacity(tiny_bundles, ar_token
 
     toks, _, pipe = trio.run(main)
     assert toks == ar_tokens
-    assert len(pipe.prefetcher.lent) <= caps["ready"] + 1  # only read-ahead still in flight
+    # every slot is free or lent (read ahead, announced, or still being read), none twice, none lost
+    pf = pipe.prefetcher
+    assert sorted(pf.free + list(pf.lent)) == list(range(len(pf.pool)))
 
 
 _BUDGETS: dict = {}
