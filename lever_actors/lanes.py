@@ -50,7 +50,8 @@ class ThreadLanes:
         def post(outcome) -> None:
             try:
                 results_send.send_nowait(outcome)
-            except (trio.WouldBlock, trio.ClosedResourceError):  # no one collects any more
+            # no one collects any more; a callback of run_sync_soon must never raise (it would crash trio)
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
                 pass
 
         def work() -> None:
