@@ -93,15 +93,26 @@ class VirtualLanes:
     def __init__(self, cost: Callable[..., float]) -> None:
         self.cost = cost
         self.limiters = {name: trio.CapacityLimiter(1) for name in ("flash", "build", "npu", "cpu", "prune")}
-        self.busy: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []  # (lane, start, end) of every call, virtual time
 
     async def run(self, lane: str, fn: Callable, *args, cost=None):
         async with self.limiters[lane]:
             out = fn(*args)
             seconds = self.cost(lane, fn, *args)
-            self.busy[lane] = self.busy.get(lane, 0.0) + seconds
+            start = trio.current_time()
+            self.spans.append((lane, start, start + seconds))
             await trio.sleep(seconds)
             return out
+
+    def busy(self, t0: float = float("-inf"), t1: float = float("inf")) -> dict[str, float]:
+        """Seconds each lane was busy inside ``[t0, t1]``: a call still running at either edge (a
+        read-ahead of the next pass) counts only for its part inside the window."""
+        out: dict[str, float] = {}
+        for lane, start, end in self.spans:
+            inside = min(end, t1) - max(start, t0)
+            if inside > 0:
+                out[lane] = out.get(lane, 0.0) + inside
+        return out
 
     @asynccontextmanager
     async def serial(self, lane: str, capacity: int):

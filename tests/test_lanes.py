@@ -129,3 +129,21 @@ def test_virtual_serial_lane_charges_each_call_in_order_on_virtual_time():
     got = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert [g for g, _ in got] == [(True, 0), (True, 1), (True, 2)]
     assert [t for _, t in got] == [0.5, 1.0, 1.5]
+
+
+def test_virtual_busy_counts_only_the_part_of_a_call_inside_the_window():
+    # a read-ahead still running when a generation ends must not be charged to that generation
+    from lever_actors.lanes import VirtualLanes
+
+    lanes = VirtualLanes(lambda lane, fn, *args: 1.0)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lanes.run, "flash", lambda: None)  # [0, 1]
+            await trio.sleep(0.25)
+            nursery.start_soon(lanes.run, "npu", lambda: None)  # [0.25, 1.25]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert lanes.busy() == {"flash": 1.0, "npu": 1.0}
+    assert lanes.busy(0.5, 1.0) == {"flash": 0.5, "npu": 0.5}
+    assert lanes.busy(1.0, 2.0) == {"npu": 0.25}
