@@ -61,11 +61,16 @@ class FlashPrefetcher:
         self.lent: set[int] = set()
         self.bytes_read = 0
         self.reads = 0
-        self.reading = 0  # a read in progress holds a lent slot not yet counted in reads
+        self.in_flight: deque[tuple[int, StreamStage, int]] = deque()  # (step, stage, slot) submitted, in read order
         self.direct = all(f.direct for f in files.values())
         self.probes: dict[int, int] = {}  # stage -> probe digest of its verified bytes
         self.faults = 0
         self.check_s = 0.0  # time spent checking the bytes read (first XXH3 per region, then probes)
+
+    @property
+    def reading(self) -> int:
+        """Reads submitted and not yet announced: each holds a lent slot not yet counted in ``reads``."""
+        return len(self.in_flight)
 
     def _read(self, stage: StreamStage, slot: int) -> tuple[float, str, bool]:
         """Read ``stage`` into ``slot`` (on the flash lane's thread): seconds, fault, retryable."""
@@ -118,7 +123,6 @@ class FlashPrefetcher:
             # Reads go to the flash lane's own thread the moment a slot is free, and are announced
             # in the order they were read: the next read never waits for the last one's announcement.
             async with self.lanes.serial("flash", len(self.pool)) as reader, trio.open_nursery() as nursery:
-                reading: deque[tuple[int, StreamStage, int]] = deque()  # (step, stage, slot), in read order
                 ring = ((step, stage) for step in itertools.count() for stage in self.stages)
 
                 def submit_free() -> None:
@@ -126,8 +130,7 @@ class FlashPrefetcher:
                         slot = self.free.pop()
                         self.lent.add(slot)
                         step, stage = next(ring)
-                        reading.append((step, stage, slot))
-                        self.reading += 1
+                        self.in_flight.append((step, stage, slot))
                         reader.submit(self._read, stage, slot)
 
                 async def take_back_slots() -> None:
@@ -141,8 +144,7 @@ class FlashPrefetcher:
                     if not ok:
                         raise out
                     io_s, fault, retryable = out
-                    step, stage, slot = reading.popleft()
-                    self.reading -= 1
+                    step, stage, slot = self.in_flight.popleft()
                     self.faults += bool(fault)
                     self.bytes_read += stage.nbytes
                     self.reads += 1
