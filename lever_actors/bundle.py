@@ -30,7 +30,7 @@ import numpy as np
 import xxhash
 
 from lever_actors.errors import ModelError
-from lever_actors.graphs import Dims, MatSpec
+from lever_actors.shapes import Dims, MatSpec
 
 FORMAT = "lever-bundle"
 # 2: LM head in vocabulary slices ("head_chunks"); 3: "layout" (native | ort); 4: "xxh3" per region

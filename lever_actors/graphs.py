@@ -17,52 +17,14 @@ greedy autoregressive output. So
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from lever_actors.shapes import NEG, Dims, MatSpec
+
 OPSET = 17
 MS = "com.microsoft"
-NEG = -1e30  # additive mask value: exp() underflows to exactly 0, no inf-inf NaN
-
-
-@dataclass(frozen=True)
-class Dims:
-    hidden: int
-    ffn: int
-    n_head: int
-    n_kv_head: int
-    head_dim: int
-    rms_eps: float
-    rope_style: str  # "neox" (qwen2) or "norm" (llama, GGUF-permuted pairs)
-    context: int  # KV cache slots per layer
-
-
-@dataclass(frozen=True)
-class MatSpec:
-    """Shape and storage kind of one matrix: enough to declare its initializers."""
-
-    kind: str  # q4 | q8 | f32
-    k: int
-    n: int
-    block: int = 0
-    has_corr: bool = False
-
-    def array_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
-        """name -> (shape, onnx dtype) in flash layout order."""
-        if self.kind == "f32":
-            return {"dense": ((self.k, self.n), TensorProto.FLOAT)}
-        bits = 4 if self.kind == "q4" else 8
-        nb = self.k // self.block
-        out = {
-            "packed": ((self.n, nb, self.block * bits // 8), TensorProto.UINT8),
-            "scales": ((self.n, nb), TensorProto.FLOAT),
-        }
-        if self.has_corr:
-            out["corr"] = ((self.k // 32, self.n), TensorProto.FLOAT)
-        return out
 
 
 class _G:

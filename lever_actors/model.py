@@ -23,9 +23,9 @@ from gguf import GGMLQuantizationType as QT
 from lever_actors.bundle import Bundle, Region, read_region
 from lever_actors import kernels
 from lever_actors.errors import ModelError
-from lever_actors.graphs import NEG, build_head, build_layer
 from lever_actors.ortrt import LaneConfig, make_session
 from lever_actors.quant import dequantize_rows
+from lever_actors.shapes import NEG
 
 # rows per layer call while a model digests a prompt (the verifier's prefill, the drafter's feed):
 # it bounds their activations, and the DRAM plan counts exactly this many (runtime.activation_bytes)
@@ -206,6 +206,8 @@ class LayerGraphs:
     def for_layer(self, region: Region) -> bytes:
         key = tuple(sorted((k, tuple(sorted(v.items()))) for k, v in region.mats.items()))
         if key not in self.cache:
+            from lever_actors.graphs import build_layer  # onnx, only for the ORT layout
+
             self.cache[key] = build_layer(self.bundle.graph_dims(self.context), region.mat_specs(), self.accuracy)
         return self.cache[key]
 
@@ -317,6 +319,8 @@ class Transformer:
             return NativeHead(region, buf, self.eps)
         spec = region.mat_specs()["output"]
         if spec.n not in self._head_graphs:
+            from lever_actors.graphs import build_head  # onnx, only for the ORT layout
+
             self._head_graphs[spec.n] = build_head(self.hidden, spec, float(self.bundle.dims["rms_eps"]), self.lane.accuracy)
         return make_session(self._head_graphs[spec.n], region.views(buf), self.lane)
 

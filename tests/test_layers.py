@@ -80,3 +80,23 @@ def test_the_graph_sees_imports():
     assert "lever_actors.driver" in g["lever_actors.runtime"]
     assert "lever_actors.speculation" in g["lever_actors.driver"]
     assert "protocols" in g["actors.draft"]
+
+
+def test_the_native_path_never_imports_onnx():
+    # onnx alone held 15 MiB of the process, which --dram-budget counts; only the ORT layout needs it
+    import subprocess
+    import sys
+
+    code = ("import sys, lever_actors.cli, lever_actors.engine, lever_actors.runtime, lever_actors.service, "
+            "lever_actors.daemon, lever_actors.bench, lever_actors.model, lever_actors.bundle; "
+            "print(sorted(m for m in ('onnx', 'onnxruntime') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_shapes_declare_the_onnx_element_types():
+    from onnx import TensorProto
+
+    from lever_actors.shapes import ONNX_FLOAT, ONNX_UINT8
+
+    assert (ONNX_FLOAT, ONNX_UINT8) == (TensorProto.FLOAT, TensorProto.UINT8)
