@@ -74,6 +74,9 @@ ABLATIONS = (
                        "alone, not also on the verification lane's idle ones (lever and the pipelined chains)"),
     ("no-core-lend", "the rest of a pass runs on the verification lane's threads alone, not also on the "
                      "drafting lane's once the drafts ahead are done (lever and the pipelined chains)"),
+    ("no-calibrated-ahead", "lever's drafts ahead go as deep as fits inside the pass, not only while even a "
+                            "sure-looking path is accepted often enough (by the calibrated acceptance) to be worth "
+                            "verifying: deeper drafts ahead that hold the drafting core longer"),
     ("marginal-depth", "lever's drafts stop deepening where a node is no longer worth what it adds to a pass "
                        "bound by its reads (a part of its compute), not its whole compute: deeper drafts ahead; "
                        "measured: 1.21x and 0.98x the default at 600 MiB in two runs, 0.92-1.04x at 768 MiB, "
@@ -89,7 +92,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
-                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +marginal-depth / +level-deadline (default "
+                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",

@@ -244,6 +244,7 @@ class Pipeline:
         self.lever = LeverPolicy()  # calibration and costs persist across generations
         self.lever.costs.buckets = cfg.buckets
         self.lever.marginal_depth = cfg.marginal_depth
+        self.lever.calibrated_ahead = cfg.calibrated_ahead
         self.prune_exits: tuple[int, ...] = ()  # exit layers of lever passes (set when a pruner runs)
         self.prune_threshold: float | None = None
         self.prune_note = "off"

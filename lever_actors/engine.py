@@ -60,13 +60,14 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # drafting on after the commit; waited-for drafts (lever's and the pipelined chains') on the drafting
 # lane's threads alone (not also the verification lane's idle ones); the rest of a pass on the
 # verification lane's threads alone (not also the drafting lane's, idle once the drafts ahead are
-# done); and the opt-ins that did not pay (README): the draft's runner-up token after the main path as
+# done); lever's drafts ahead as deep as fits inside the pass (not also cut by the calibrated
+# acceptance); and the opt-ins that did not pay (README): the draft's runner-up token after the main path as
 # one more outcome, drafting from the early exit's predicted outcome, drafting ahead until the pass
 # commits, the drafts ahead cut at a node's marginal cost to a pass bound by its reads (not its whole
 # compute), and no level drafted ahead that would outlast the pass
 MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
               "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
-              "no-core-lend", "marginal-depth", "level-deadline")
+              "no-core-lend", "no-calibrated-ahead", "marginal-depth", "level-deadline")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -133,6 +134,7 @@ class EngineConfig:
     runner_up: bool = False  # lever: also draft ahead for the main path, then the draft's second-best token (no gain)
     level_deadline: bool = False  # lever: drafts ahead draw no level that would outlast the pass (no gain)
     marginal_depth: bool = False  # lever: drafts ahead cut at a node's marginal cost (no steady gain)
+    calibrated_ahead: bool = True  # lever: drafts ahead also stop where the calibrated acceptance says a level no longer pays
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
@@ -156,6 +158,7 @@ class EngineConfig:
                        core_lend=self.core_lend and "no-core-lend" not in flags, dram_budget=budget,
                        runner_up=self.runner_up or "runner-up" in flags,
                        marginal_depth=self.marginal_depth or "marginal-depth" in flags,
+                       calibrated_ahead=self.calibrated_ahead and "no-calibrated-ahead" not in flags,
                        level_deadline=self.level_deadline or "level-deadline" in flags,
                        budget_source=source)
 
@@ -191,6 +194,7 @@ class EngineConfig:
             commit_cut=not getattr(args, "no_commit_cut", False), exit_predict=getattr(args, "exit_predict", False),
             runner_up=getattr(args, "runner_up", False), marginal_depth=getattr(args, "marginal_depth", False),
             level_deadline=getattr(args, "level_deadline", False),
+            calibrated_ahead=not getattr(args, "no_calibrated_ahead", False),
             prompt_cache=_prompt_cache(getattr(args, "prompt_cache", None)),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
@@ -224,6 +228,8 @@ class EngineConfig:
             text += "+runner-up"
         if self.mode == "lever" and self.adaptive_depth and self.marginal_depth:
             text += "+marginal-depth"
+        if self.mode == "lever" and self.overlap and self.adaptive_depth and not self.calibrated_ahead:
+            text += "+no-calibrated-ahead"
         if self.mode == "lever" and self.overlap and self.level_deadline:
             text += "+level-deadline"
         return text

@@ -235,3 +235,27 @@ def test_marginal_depth_prices_a_node_at_what_it_adds_to_a_pass_bound_by_its_rea
     assert 0 < step < 0.02 / 10 and far_below.draft_limits(hidden=True, max_depth=16)[1] == pytest.approx(16 * step)
     above = policy(0.1, True)  # compute 0.26 s against 0.1 s of reads: a node costs nearly its compute
     assert above.costs.marginal_node_s(8) == pytest.approx(0.02, rel=0.1)
+
+
+def test_calibrated_ahead_cuts_a_hidden_draft_where_the_calibrated_acceptance_stops_paying():
+    """Drafts ahead hold the drafting core (which the pass borrows once they are done) and a level
+    still running at the commit delays the next pass: they stop where even a sure-looking path is
+    no longer accepted often enough to be worth verifying; where the target accepts such paths, the
+    pace's own cap (what fits inside the pass) stands. +no-calibrated-ahead keeps only that cap."""
+    from lever_actors.planner import LeverPolicy
+
+    def policy(accept: float, calibrated: bool) -> LeverPolicy:
+        pol = LeverPolicy(calibrated_ahead=calibrated)
+        pol.pace.observe_draft(draft_s=0.04, calls=1, hidden=True)  # 40 ms a level drafted ahead
+        pol.pace.observe_pass(committed=5, pass_s=0.5, waited_s=0.0)  # 10 tok/s, 0.5 s to hide drafts in
+        pol.costs.seed(n_rows=8, io_s=0.5, compute_s=0.26)  # 32.5 ms of compute a node
+        for d in range(1, 17):
+            pol.calibration.observe([d] * 200, [0.9] * 200, np.arange(200) < 200 * accept)
+        return pol
+
+    cap = int(0.5 / 0.04) - 2  # the levels that fit inside the pass
+    depth, min_p = policy(0.7, True).draft_limits(hidden=True, max_depth=16)
+    assert min_p == pytest.approx(10 * 0.26 / 8)
+    assert depth == int(np.log(min_p) / np.log(0.7)) < cap  # 0.7^3 >= 0.325 > 0.7^4
+    assert policy(0.7, False).draft_limits(hidden=True, max_depth=16)[0] == cap
+    assert policy(0.99, True).draft_limits(hidden=True, max_depth=16)[0] == cap
