@@ -1,8 +1,8 @@
 """Shapes of a decoder layer and of its matrices, shared by the bundle, the kernels and the ONNX graphs.
 
 Kept apart from :mod:`lever_actors.graphs` so that the native path (GGUF-block kernels)
-never imports ``onnx``: that import alone held 15 MiB of the process (protobuf,
-ml_dtypes), which ``--dram-budget`` counts, and took half a second at start-up.
+never imports ``onnx``: that import alone held 13 MiB of the process at start-up (protobuf,
+ml_dtypes), which ``--dram-budget`` counts, and took half a second.
 """
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def test_the_graph_sees_imports():
 
 
 def test_the_native_path_never_imports_onnx():
-    # onnx alone held 15 MiB of the process, which --dram-budget counts; only the ORT layout needs it
+    # onnx alone held 13 MiB of the process, which --dram-budget counts; only the ORT layout needs it
     import subprocess
     import sys
 
