@@ -27,6 +27,21 @@ OPSET = 17
 MS = "com.microsoft"
 
 
+def array_shapes(spec: MatSpec) -> dict[str, tuple[tuple[int, ...], int]]:
+    """name -> (shape, ONNX element type) of one matrix's initializers, in flash layout order."""
+    if spec.kind == "f32":
+        return {"dense": ((spec.k, spec.n), TensorProto.FLOAT)}
+    bits = 4 if spec.kind == "q4" else 8
+    nb = spec.k // spec.block
+    out = {
+        "packed": ((spec.n, nb, spec.block * bits // 8), TensorProto.UINT8),
+        "scales": ((spec.n, nb), TensorProto.FLOAT),
+    }
+    if spec.has_corr:
+        out["corr"] = ((spec.k // 32, spec.n), TensorProto.FLOAT)
+    return out
+
+
 class _G:
     """Tiny graph-building helper: unique names, node and initializer lists."""
 
@@ -57,7 +72,7 @@ class _G:
         return name
 
     def matmul(self, a: str, prefix: str, spec: MatSpec, accuracy: int) -> str:
-        names = {k: self.external(f"{prefix}.{k}", s, d) for k, (s, d) in spec.array_shapes().items()}
+        names = {k: self.external(f"{prefix}.{k}", s, d) for k, (s, d) in array_shapes(spec).items()}
         if spec.kind == "f32":
             return self.op("MatMul", a, names["dense"])
         bits = 4 if spec.kind == "q4" else 8

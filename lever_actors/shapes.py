@@ -1,4 +1,4 @@
-"""Shapes of a decoder layer and of its matrices, shared by the bundle, the kernels and the ONNX graphs.
+"""Shapes of a decoder layer and of its matrices, shared by the bundle, the model and the ONNX graphs.
 
 Kept apart from :mod:`lever_actors.graphs` so that the native path (GGUF-block kernels)
 never imports ``onnx``: that import alone held 13 MiB of the process at start-up (protobuf,
@@ -9,10 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NEG = -1e30  # additive mask value: exp() underflows to exactly 0, no inf-inf NaN
-
-# ONNX TensorProto element types (the values of the ONNX spec's enum; tests/test_layers.py checks them)
-ONNX_FLOAT = 1
-ONNX_UINT8 = 2
 
 
 @dataclass(frozen=True)
@@ -29,24 +25,10 @@ class Dims:
 
 @dataclass(frozen=True)
 class MatSpec:
-    """Shape and storage kind of one matrix: enough to declare its initializers."""
+    """Shape and storage kind of one matrix: enough to declare its initializers (``graphs.array_shapes``)."""
 
     kind: str  # q4 | q8 | f32
     k: int
     n: int
     block: int = 0
     has_corr: bool = False
-
-    def array_shapes(self) -> dict[str, tuple[tuple[int, ...], int]]:
-        """name -> (shape, ONNX element type) in flash layout order."""
-        if self.kind == "f32":
-            return {"dense": ((self.k, self.n), ONNX_FLOAT)}
-        bits = 4 if self.kind == "q4" else 8
-        nb = self.k // self.block
-        out = {
-            "packed": ((self.n, nb, self.block * bits // 8), ONNX_UINT8),
-            "scales": ((self.n, nb), ONNX_FLOAT),
-        }
-        if self.has_corr:
-            out["corr"] = ((self.k // 32, self.n), ONNX_FLOAT)
-        return out

@@ -95,8 +95,14 @@ def test_the_native_path_never_imports_onnx():
 
 
 def test_shapes_declare_the_onnx_element_types():
+    # the shapes module carries no ONNX codes: the graph builder declares packed blocks as bytes, the rest as floats
     from onnx import TensorProto
 
-    from lever_actors.shapes import ONNX_FLOAT, ONNX_UINT8
+    from lever_actors.graphs import array_shapes
+    from lever_actors.shapes import MatSpec
 
-    assert (ONNX_FLOAT, ONNX_UINT8) == (TensorProto.FLOAT, TensorProto.UINT8)
+    q4 = array_shapes(MatSpec("q4", k=64, n=8, block=32, has_corr=True))
+    assert {k: t for k, (_, t) in q4.items()} == {"packed": TensorProto.UINT8, "scales": TensorProto.FLOAT,
+                                                  "corr": TensorProto.FLOAT}
+    assert q4["packed"][0] == (8, 2, 16)
+    assert array_shapes(MatSpec("f32", k=4, n=3))["dense"] == ((4, 3), TensorProto.FLOAT)
