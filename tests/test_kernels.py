@@ -152,11 +152,12 @@ def test_matmul_float_path(qtype, k, rows, n):
 
 @pytest.mark.parametrize("qtype", BLOCK32 + ["F32"])
 @pytest.mark.parametrize("k", [32, 96, 896, 4864 + 32])
-@pytest.mark.parametrize("rows,n", [(1, 37), (2, 38), (3, 39), (4, 41), (5, 40)])
+@pytest.mark.parametrize("rows,n", [(1, 37), (2, 38), (3, 39), (4, 41), (5, 40), (8, 70), (11, 130)])
 def test_matmul_rows_of_any_multiple_of_32(qtype, k, rows, n):
     """The draft's 896-wide rows: the last activation group is partial, on both paths. One to four
-    rows take the few-row kernel (weight rows two or four at a time, a tail of odd ones), five the
-    grouped one: every row's bits must match its own 1-row product."""
+    rows take the few-row kernel (weight rows two or four at a time, a tail of odd ones); more rows
+    take it four at a time over slices of 64 weight rows (AVX-512), or the grouped one: every row's
+    bits must match its own 1-row product."""
     w, wdq = weight(qtype, k, n)
     ref = wdq.astype(np.float64).T
     x = activations(rows, k, seed=k + rows)
@@ -176,7 +177,7 @@ AVX512 = K.simd().startswith("avx512")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 def test_repacked_q5_0_gives_the_same_bits(k, rows):
     """Resident Q5_0 weights rearranged into block pairs (Q5_0R) hold the same numbers: every product
-    equals the GGUF layout's bit for bit on both the few-row and the grouped kernel, dequantizing gives
+    equals the GGUF layout's bit for bit for one to four rows and for more (four at a time), dequantizing gives
     the same floats, and undoing the repack restores the bytes."""
     w, wdq = weight("Q5_0", k, 37)
     r = K.repacked_for_cpu(K.NativeMatrix("Q5_0", k, w.n, w.data.copy()))
