@@ -669,30 +669,30 @@ static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n
  * and its float epilogue is block_q8's (a vector fused multiply-add rounds as fmaf does), so
  * every output keeps its bits. */
 static void block_q4k_avx2(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
-                           const int32_t *bsums, float *acc) {
+                           const int16_t *bs16, float *acc) {
     const int64_t nsb = n_groups(k);
     const float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
     uint8_t sc[8], mn[8];
     q4k_scale_min(b + 4, sc, mn);
+    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
     __m256i lo[4], hi[4];
     for (int c = 0; c < 4; c++) unpack_q4k_run_avx2(b + 16, c, &lo[c], &hi[c]);
     for (int64_t i = 0; i < n; i++) {
         const int8_t *a = q + i * k + s * QK;
-        const int32_t *bs = bsums + (i * nsb + s) * 16;
         const float dx = d[i * nsb + s];
         float *ai = acc + KLANES * i;
         __m256i lane = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) lane = _mm256_add_epi32(lane, dot_q4k_run_avx2(lo[c], hi[c], sc, a, c));
         _mm256_storeu_ps(ai, _mm256_fmadd_ps(_mm256_set1_ps(dx * dw), _mm256_cvtepi32_ps(lane), _mm256_loadu_ps(ai)));
-        for (int m = 0; m < 4; m++) {
-            int32_t p = mn[2 * m] * (bs[4 * m] + bs[4 * m + 1]) + mn[2 * m + 1] * (bs[4 * m + 2] + bs[4 * m + 3]);
-            ai[8 + m] = fmaf(-(dx * dmin), (float)p, ai[8 + m]);
-        }
+        /* the four min lanes: the pair sums of the activation sums (py_matmul) against the mins */
+        const __m128i q8s = _mm_loadu_si128((const __m128i *)(bs16 + (i * nsb + s) * 8));
+        _mm_storeu_ps(ai + 8, _mm_fmadd_ps(_mm_set1_ps(-(dx * dmin)), _mm_cvtepi32_ps(_mm_madd_epi16(mins16, q8s)),
+                                           _mm_loadu_ps(ai + 8)));
     }
 }
 
 static void block_q6k_avx2(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
-                           const int32_t *bsums, float *acc) {
+                           const int16_t *bs16, float *acc) {
     const int64_t nsb = n_groups(k);
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
@@ -702,10 +702,9 @@ static void block_q6k_avx2(const uint8_t *b, int64_t s, int64_t k, int64_t n, co
         unpack_q6k_half_avx2(ql, qh, h, w + 4 * h);
         for (int r = 0; r < 4; r++) sv[4 * h + r] = q6k_scales_avx2(sc, h, r);
     }
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
     for (int64_t i = 0; i < n; i++) {
         const int8_t *a = q + i * k + s * QK;
-        const int32_t *bs = bsums + (i * nsb + s) * 16;
-        const float dx = d[i * nsb + s];
         float *ai = acc + KLANES * i;
         __m256i accv = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++)
@@ -713,12 +712,11 @@ static void block_q6k_avx2(const uint8_t *b, int64_t s, int64_t k, int64_t n, co
                 const __m256i av = _mm256_loadu_si256((const __m256i *)(a + 128 * h + 32 * r));
                 accv = _mm256_add_epi32(accv, _mm256_madd_epi16(_mm256_maddubs_epi16(w[4 * h + r], av), sv[4 * h + r]));
             }
-        int32_t lane[8];
-        _mm256_storeu_si256((__m256i *)lane, accv);
-        for (int l = 0; l < 8; l++) {
-            int32_t v = lane[l] - 32 * (bs[2 * l] * sc[2 * l] + bs[2 * l + 1] * sc[2 * l + 1]);
-            ai[l] = fmaf(dx * dw, (float)v, ai[l]);
-        }
+        /* each lane less its pair of -32 offsets: 32 x (activation sums against the scales) */
+        const __m256i off = _mm256_slli_epi32(
+            _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs16 + (i * nsb + s) * 16)), sc16), 5);
+        _mm256_storeu_ps(ai, _mm256_fmadd_ps(_mm256_set1_ps(d[i * nsb + s] * dw),
+                                             _mm256_cvtepi32_ps(_mm256_sub_epi32(accv, off)), _mm256_loadu_ps(ai)));
     }
 }
 #endif
@@ -811,7 +809,7 @@ typedef struct {
     const int8_t *q;
     const float *d;
     const int32_t *bsums;
-    const int16_t *bs16; /* bsums as int16 (the width llama.cpp's q8_K keeps them in), for the AVX-512 K-quants */
+    const int16_t *bs16; /* bsums as int16 (the width llama.cpp's q8_K keeps them in), for the SIMD K-quant kernels */
     const int32_t *corr; /* lane sums times the code bias, for the AVX-512 few-row 32-block kernel */
     const float *x; /* fp32 path when non-NULL */
     float *out;
@@ -879,9 +877,8 @@ static void *run_job(void *arg) {
 #endif
 #if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* AVX-512: Q8_0 and Q5_0 went to rows_q32_512 above */
                 else if (lanes == 8) block_q32_avx2(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, ar);
-                else if (jb->type == T_Q4_K) block_q4k_avx2(b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
-                /* one row: unpacking into registers as it goes spills less (block_q8, 15% faster) */
-                else if (jb->type == T_Q6_K && jb->n > 1) block_q6k_avx2(b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
+                else if (jb->type == T_Q4_K) block_q4k_avx2(b, s, jb->k, jb->n, jb->q, jb->d, jb->bs16, ar);
+                else if (jb->type == T_Q6_K) block_q6k_avx2(b, s, jb->k, jb->n, jb->q, jb->d, jb->bs16, ar);
 #endif
                 else block_q8(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
             }
@@ -1058,15 +1055,17 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         goto done;
     int16_t *bs16 = NULL; /* converted once here, not in every thread */
     int32_t *corr = NULL; /* likewise */
-#ifdef LEVER_AVX512
+#ifdef LEVER_AVX2
     if (!have_x && is_kquant(type) && n > 0) {
         if (!(bs16 = malloc(sizeof(int16_t) * (size_t)(n * g * (type == T_Q4_K ? 8 : 16))))) { PyErr_NoMemory(); goto done; }
         const int32_t *b32 = (const int32_t *)bs.buf;
-        if (type == T_Q4_K) /* block_q4k_512 takes the sums of adjacent pairs (its min lanes' hadd), once per row */
+        if (type == T_Q4_K) /* the Q4_K kernels take the sums of adjacent pairs (their min lanes' hadd), once per row */
             for (Py_ssize_t e = 0; e < n * g * 8; e++) bs16[e] = (int16_t)((int16_t)b32[2 * e] + (int16_t)b32[2 * e + 1]);
         else
             for (Py_ssize_t e = 0; e < n * g * 16; e++) bs16[e] = (int16_t)b32[e];
     }
+#endif
+#ifdef LEVER_AVX512
     if (!have_x && (type == T_Q8_0 || type == T_Q5_0 || type == T_Q5_0R) && n > 0) {
         if (!(corr = malloc(sizeof(int32_t) * (size_t)(n * (k / 4))))) { PyErr_NoMemory(); goto done; }
         q32_corrections(type, q.buf, k, n, corr);
