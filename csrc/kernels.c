@@ -322,24 +322,6 @@ static void block_q32_avx2(int type, const uint8_t *b, int64_t s, int64_t k, int
     const int64_t nsb = n_groups(k);
     const int nb = (int)(group_len(k, s) / 32), bs = type == T_Q8_0 ? 34 : 22;
     const __m256i ones = _mm256_set1_epi16(1);
-    if (n == 1) { /* one row: each block unpacked as it is used and nothing kept, as llama.cpp does
-                   * (the group loop below stores and reloads them: the draft's 896x4864 Q5_0 projection
-                   * 0.57 -> 0.50 ms, its Q8_0 head 15.3 -> 11.1). The same products and order of adds. */
-        const int8_t *a = q + s * QK;
-        const float da = d[s];
-        __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
-        for (int c = 0; c < nb; c++) {
-            const uint8_t *blk = b + bs * c;
-            const __m256i wc = type == T_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : q5_0_avx2(blk);
-            const __m256i av = _mm256_loadu_si256((const __m256i *)(a + 32 * c));
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wc, wc), _mm256_sign_epi8(av, wc)), ones);
-            const __m256 sc = _mm256_set1_ps(f16_to_f32(blk) * da);
-            if (c & 1) v1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, v1);
-            else v0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, v0);
-        }
-        _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_add_ps(v0, v1)));
-        return;
-    }
     __m256i w[8], aw[8];
     float dw[8];
     for (int c = 0; c < nb; c++) { /* unpack the group once, reuse it for every row */
