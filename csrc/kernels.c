@@ -193,8 +193,9 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t
 /* The integer part of one K-quant block against 256 int8 activations, split in eight lanes
  * the way llama.cpp's AVX2 vec_dot splits it: lane l holds bytes 4l..4l+3 of every 32-element
  * run. Its float accumulation then follows those lanes, which is what keeps our greedy
- * output on llama.cpp's near-ties. */
-#ifdef LEVER_AVX2
+ * output on llama.cpp's near-ties. The SIMD builds compute them in block_q4k_avx2 /
+ * block_q6k_avx2 (and the AVX-512 kernels); lanes_q4k / lanes_q6k below are the portable build's. */
+#if defined(LEVER_AVX2) && !defined(LEVER_AVX512)
 /* Run c (32 bytes) of a Q4_K block's codes: its low nibbles and its high nibbles, 32 each. */
 static inline void unpack_q4k_run_avx2(const uint8_t *qs, int c, __m256i *lo, __m256i *hi) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -235,15 +236,6 @@ static inline __m256i q6k_scales_avx2(const int8_t *sc, int h, int r) {
 #endif
 
 static inline void lanes_q4k(const uint8_t *qs, const uint8_t *sc, const int8_t *a, int32_t *lane) {
-#ifdef LEVER_AVX2
-    __m256i acc = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-        __m256i lo, hi;
-        unpack_q4k_run_avx2(qs, c, &lo, &hi);
-        acc = _mm256_add_epi32(acc, dot_q4k_run_avx2(lo, hi, sc, a, c));
-    }
-    _mm256_storeu_si256((__m256i *)lane, acc);
-#else
     for (int l = 0; l < 8; l++) lane[l] = 0;
     for (int c = 0; c < 4; c++)
         for (int l = 0; l < 8; l++) {
@@ -254,23 +246,10 @@ static inline void lanes_q4k(const uint8_t *qs, const uint8_t *sc, const int8_t 
             }
             lane[l] += sc[2 * c] * lo + sc[2 * c + 1] * hi;
         }
-#endif
 }
 
 /* As lanes_q4k for Q6_K, before the -32 offset (the caller subtracts it per lane pair) */
 static inline void lanes_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t *sc, const int8_t *a, int32_t *lane) {
-#ifdef LEVER_AVX2
-    __m256i acc = _mm256_setzero_si256();
-    for (int h = 0; h < 2; h++) {
-        __m256i q[4];
-        unpack_q6k_half_avx2(ql, qh, h, q);
-        for (int r = 0; r < 4; r++) {
-            __m256i av = _mm256_loadu_si256((const __m256i *)(a + 128 * h + 32 * r));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], av), q6k_scales_avx2(sc, h, r)));
-        }
-    }
-    _mm256_storeu_si256((__m256i *)lane, acc);
-#else
     for (int l = 0; l < 8; l++) lane[l] = 0;
     for (int h = 0; h < 2; h++) {
         const uint8_t *l = ql + 64 * h, *hh = qh + 32 * h;
@@ -283,7 +262,6 @@ static inline void lanes_q6k(const uint8_t *ql, const uint8_t *qh, const int8_t 
                         sc[8 * h + 4 + half] * q2 * ah[64 + i] + sc[8 * h + 6 + half] * q3 * ah[96 + i];
         }
     }
-#endif
 }
 
 /* Q5_0 block: fp16 d, 32 high bits, 16 bytes of low nibbles; value e is d * (q_e - 16) */
@@ -663,11 +641,10 @@ static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n
 }
 
 #if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* the AVX-512 build has block_q4k_512 / block_q6k_512 */
-/* block_q8's K-quant branches for every activation row at once: the block's codes are unpacked
- * into registers once and reused for each row (block_q8 unpacks them again per row, inside
- * lanes_q4k / lanes_q6k). Each row's lanes are the same integers, made by the same instructions,
- * and its float epilogue is block_q8's (a vector fused multiply-add rounds as fmaf does), so
- * every output keeps its bits. */
+/* The portable block_q8's K-quant branches for every activation row at once: the block's codes
+ * are unpacked into registers once and reused for each row. Each row's lanes are the same
+ * integers as lanes_q4k / lanes_q6k make, and its float epilogue is block_q8's (a vector fused
+ * multiply-add rounds as fmaf does), so every output keeps its bits. */
 static void block_q4k_avx2(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
                            const int16_t *bs16, float *acc) {
     const int64_t nsb = n_groups(k);
