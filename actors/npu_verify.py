@@ -246,7 +246,8 @@ class NpuVerifier:
         prune = None
         if plan.exit_layers and not plan.prefill and self.exits_send is not None:
             prune = {"plan": plan, "alive": np.ones(n, bool), "pruned": []}
-        self._use_threads(self.own_threads)  # a grant lasts one pass
+        # a grant lasts one pass; a pass with no drafting beside it runs on the drafting lane's cores too
+        self._use_threads(plan.threads or self.own_threads)
         try:
             scores = await self._stages(x, feeds_list, slots_list, rows, acc, plan, prune)
         except FlashFault as exc:  # this pass is lost, the verifier is not: the driver fails the request

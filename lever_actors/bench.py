@@ -98,6 +98,8 @@ def summarize(rows: list[dict]) -> dict:
         # checking the streamed bytes: a region's XXH3-128 on its first read in the process, then a
         # CRC32 of three pages per read (part of the read time, off the compute lane)
         "integrity_s_per_pass": sum(r["stats"].get("integrity_s", 0) for r in rows) / max(passes, 1),
+        # lever: the passes run taking turns with the drafter rather than beside it (schedule.py)
+        "turns_share": sum(r["stats"].get("turns_passes", 0) for r in rows) / max(passes, 1),
         "mean_tree_nodes": _median([r["stats"]["mean_tree_nodes"] for r in rows
                                     if r["stats"].get("mean_tree_nodes") is not None]),
         "ttft_s": _median([r["prefill_s"] for r in rows]),

@@ -49,6 +49,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 # every ablation (and the opt-ins) is a flag here and a '+FLAG' mode suffix (engine.MODE_FLAGS), so bench can run them side by side
 ABLATIONS = (
     ("no-overlap", "do not draft the next tree while the target verifies (cross-step drafting)"),
+    ("no-auto-schedule", "lever always drafts the next tree beside the pass (overlap), instead of measuring that "
+                         "against taking turns (the pass on every core, then the draft on every core) and running "
+                         "the faster"),
     ("fixed-tree", "lever verifies the whole drafted tree instead of the gain/cost plan"),
     ("no-prune", "lever computes every tree node through every layer (no early-exit pruning)"),
     ("no-vocab-trim", "lever's draft scores the whole vocabulary instead of its calibrated subset plus the "
@@ -91,7 +94,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g = p.add_argument_group("runtime")
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
-                        "optionally +no-overlap / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
+                        "optionally +no-overlap / +no-auto-schedule / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
                         "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")

@@ -5,7 +5,7 @@ One step, as the algorithm reads::
     tree   = drafted ahead (cross-step hit) or drafted now     # CPU lane
     tree   = the planner's subtree of it (lever)               # gain/cost
     verify(tree)                                               # NPU lane, streamed layers
-    draft the next tree under the likely outcome, meanwhile    # CPU lane, hidden
+    draft the next tree under the likely outcome, meanwhile    # CPU lane, hidden (lever: or take turns)
     commit = the accepted path + the target's bonus token
     settle the assumption: keep the tree drafted ahead, or drop it
 
@@ -26,6 +26,7 @@ from lever_actors.memory import release_memory
 from lever_actors.ngram import merge_branch, prompt_lookup
 from lever_actors.planner import NGRAM_PRIOR, LeverPolicy, bucket_for
 from lever_actors.sampling import SamplingParams
+from lever_actors.schedule import OVERLAP, TURNS, ScheduleChoice
 from lever_actors.speculation import CrossStep, outcome_hypotheses
 from protocols import Abort, DraftRequest, DraftSteer, VerifyPlan
 
@@ -87,6 +88,7 @@ class RunStats:
     pruned: int = 0  # the pruner's decisions
     pruned_wrong: int = 0  # ... that dropped a node the target would have accepted
     dropped: int = 0  # nodes not computed to the end (pruned ones and their subtrees)
+    turns_passes: int = 0  # lever passes run taking turns with the drafter (schedule.py), not beside it
 
     def as_dict(self, io_busy_s: float = 0.0) -> dict:
         p = max(self.passes, 1)
@@ -112,6 +114,7 @@ class RunStats:
             "stall_s_per_pass": self.io_wait_s / p,  # verification lane waiting for its next layer
             "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
             "mean_tree_nodes": float(np.mean(self.tree_sizes)) if self.tree_sizes else None,
+            "turns_passes": self.turns_passes, "turns_share": self.turns_passes / p,
             "pruned_nodes": self.pruned, "dropped_nodes": self.dropped, "pruned_wrong": self.pruned_wrong,
             "prune_precision": 1 - self.pruned_wrong / self.pruned if self.pruned else None,
             "prune_recall": (self.draft_n_accepted / (self.draft_n_accepted + self.pruned_wrong)
@@ -204,6 +207,9 @@ class Generation:
     reads0: float = 0.0  # the flash lane's busy seconds when this pass began
     reuse: bool = True  # prompt caching: prefill only what the last sequence does not share
     prefill_draft: bool = False  # the drafter's answer to the prefill is still to be collected
+    schedule: str = OVERLAP  # this pass's: the next tree drafted beside it, or after it (lever: schedule.py)
+    cycle_start: float | None = None  # when this pass's tree was ready (its cycle ends when the next one is)
+    cycle_tokens: int = 0  # what the last pass committed
 
     @property
     def sampling(self) -> dict:
@@ -245,6 +251,7 @@ class Pipeline:
         self.lever.costs.buckets = cfg.buckets
         self.lever.marginal_depth = cfg.marginal_depth
         self.lever.calibrated_ahead = cfg.calibrated_ahead
+        self.schedule = ScheduleChoice()  # lever's overlap or turns, measured (persists across generations)
         self.prune_exits: tuple[int, ...] = ()  # exit layers of lever passes (set when a pruner runs)
         self.prune_threshold: float | None = None
         self.prune_note = "off"
@@ -314,7 +321,9 @@ class Pipeline:
                 self._settle_assumption(g, commit, exps)
             g.step += 1
             t_pass, g.pass_wait_s, g.reads0 = time.perf_counter(), 0.0, self.tracer.busy("flash")
-            tree = self._plan(g, await self._next_tree(g))
+            tree = await self._next_tree(g)
+            self._choose_schedule(g)
+            tree = self._plan(g, tree)
             g.verify_start = time.perf_counter()
             await self.plan_send.send(self._verify_plan(g, tree))
             ahead = await self._draft_ahead(g, tree)
@@ -323,6 +332,8 @@ class Pipeline:
             self._observe(g, tree, commit, ps, time.perf_counter() - t_pass)
             await self._settle(g, commit)
             g.stats.pass_s += time.perf_counter() - t_pass
+            g.cycle_tokens = len(commit.tokens)
+        self._end_cycle(g)
         out = self._finish(g, finish, io_before, t_io0, t_start, t_decode, check0)
         for k, v0 in steer0.items():  # the exit layer's outcome predictions and the trees planted for them
             now = self.pruner.predictions if k == "predicted" else self.drafter.steer_counts[k]
@@ -406,6 +417,25 @@ class Pipeline:
         self.lever.pace.observe_draft(exp.draft_s, expansion_depth(exp) + 1)  # + feeding the commit
         return tree
 
+    def _auto_schedule(self, g: Generation) -> bool:
+        """Whether lever chooses this generation's schedules by measurement (greedy only: a seeded
+        sampled run must draw the same trees every time, whatever the timings)."""
+        return self._planning(g) and self.cfg.overlap and self.cfg.auto_schedule
+
+    def _choose_schedule(self, g: Generation) -> None:
+        """Once this pass's tree is ready: the last pass's cycle ends, and this pass's schedule is chosen."""
+        if not self._auto_schedule(g):
+            return
+        self._end_cycle(g)
+        g.cycle_start, g.schedule = time.perf_counter(), self.schedule.current
+        self.lever.use_schedule(g.schedule)
+        g.stats.turns_passes += g.schedule == TURNS
+
+    def _end_cycle(self, g: Generation) -> None:
+        if g.cycle_start is not None:
+            self.schedule.observe(g.cycle_tokens, time.perf_counter() - g.cycle_start)
+            g.cycle_start = None
+
     def _draft_limits(self, g: Generation, hidden: bool) -> dict:
         """max_nodes, max_depth and min_path_p of the next draft: fixed for the baselines; for lever the
         gain/cost rule decides how deep drafting pays (hidden behind the pass or waited for)."""
@@ -460,7 +490,8 @@ class Pipeline:
             bucket=bucket_for(len(tokens), self.cfg.buckets), prev_accepted=g.prev_accepted,
             want_logits=not g.params.greedy, draft_dists=tree.dists,
             exit_layers=exits if scoring else (), alternatives=tree.alts if scoring else None,
-            prune_threshold=self.prune_threshold if pruning else None, **g.sampling)
+            prune_threshold=self.prune_threshold if pruning else None, **g.sampling,
+            threads=self.target.lane.threads + self.drafter.threads if g.schedule == TURNS else 0)
 
     def _until_commit(self, g: Generation) -> bool:
         """lever drafts ahead as long as the pass lasts (greedy: a timing-dependent tree shape would
@@ -471,7 +502,7 @@ class Pipeline:
         """Cross-step drafting: while the target verifies, draft the trees that follow its likeliest
         outcomes (the main path accepted whole, then the draft's own next token; for lever also the
         likeliest early stops), all in the same draft calls. Returns whether a request went out."""
-        if not (g.gamma and self.cfg.overlap and tree.drafted):
+        if not (g.gamma and self.cfg.overlap and tree.drafted) or g.schedule == TURNS:
             return False
         limits = self._draft_limits(g, hidden=True)
         until_commit = self._until_commit(g)
@@ -640,6 +671,8 @@ class Pipeline:
         d = g.stats.as_dict(self.tracer.busy("flash") - t_io0)
         # share of flash-read time hidden behind builds, layer compute or drafting
         d["overlap"] = self.tracer.overlap("flash", ("build", "npu", "cpu"), t_start)
+        if self._auto_schedule(g):
+            d["schedule"] = self.schedule.describe()
         d.update(self.verifier_stats())
         d["decode_s"] = time.perf_counter() - t_decode
         d["integrity_s"] = self.prefetcher.check_s - check0  # checking the bytes streamed (within the reads)

@@ -54,7 +54,8 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
     return value, "unlimited" if value is None else f"--dram-budget {text}"
 
 
-# ablations: no cross-step drafting; lever without its planner; lever without early-exit pruning; the
+# ablations: no cross-step drafting; lever always drafting beside its passes (not choosing that or taking
+# turns by measurement); lever without its planner; lever without early-exit pruning; the
 # draft's full LM head instead of its calibrated vocabulary subset; lever drafting to its depth cap every time;
 # lever without free prompt-lookup branches; lever drafting ahead for the main outcome only; lever
 # drafting on after the commit; waited-for drafts (lever's and the pipelined chains') on the drafting
@@ -65,7 +66,7 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # one more outcome, drafting from the early exit's predicted outcome, drafting ahead until the pass
 # commits, the drafts ahead cut at a node's marginal cost to a pass bound by its reads (not its whole
 # compute), and no level drafted ahead that would outlast the pass
-MODE_FLAGS = ("no-overlap", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
+MODE_FLAGS = ("no-overlap", "no-auto-schedule", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
               "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
               "no-core-lend", "no-calibrated-ahead", "marginal-depth", "level-deadline")
 
@@ -114,6 +115,7 @@ class EngineConfig:
     trace: str | None = None
     build_threads: int = 1  # lane width for wrapping streamed buffers (instant for native layers)
     overlap: bool = True  # cross-step drafting: draft the likely next tree while the target verifies
+    auto_schedule: bool = True  # lever: measure overlap against taking turns and run the faster (schedule.py)
     fixed_tree: bool = False  # lever without its planner: verify the whole drafted tree
     prune: bool = True  # lever: early-exit pruning (when the target has a calibration or a threshold is given)
     prune_layer: int | None = None  # None: the calibrated exit layer
@@ -146,6 +148,7 @@ class EngineConfig:
         if "@" in text:  # this mode's own DRAM budget
             budget, source = budget_with_source(name, text.split("@", 1)[1])
         return replace(self, mode=name, gamma=gamma, overlap=self.overlap and "no-overlap" not in flags,
+                       auto_schedule=self.auto_schedule and "no-auto-schedule" not in flags,
                        fixed_tree=self.fixed_tree or "fixed-tree" in flags, prune=self.prune and "no-prune" not in flags,
                        vocab_trim=self.vocab_trim and "no-vocab-trim" not in flags,
                        adaptive_depth=self.adaptive_depth and "no-adaptive-depth" not in flags,
@@ -182,7 +185,7 @@ class EngineConfig:
             lane=LaneConfig(threads=threads or 1, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
                             precision=args.precision),
             trace=getattr(args, "trace", None), overlap=not getattr(args, "no_overlap", False),
-            fixed_tree=getattr(args, "fixed_tree", False), prune=not getattr(args, "no_prune", False),
+            auto_schedule=not getattr(args, "no_auto_schedule", False), fixed_tree=getattr(args, "fixed_tree", False), prune=not getattr(args, "no_prune", False),
             prune_layer=getattr(args, "prune_layer", None), prune_threshold=getattr(args, "prune_threshold", None),
             buckets=_buckets(getattr(args, "buckets", None)), draft_threads=draft_threads or 1,
             auto_threads=threads is None and draft_threads is None,
@@ -202,6 +205,8 @@ class EngineConfig:
         text = f"{self.mode}:{self.gamma}" if self.drafted else self.mode
         if self.drafted and not self.overlap:
             text += "+no-overlap"
+        if self.mode == "lever" and self.overlap and not self.auto_schedule:
+            text += "+no-auto-schedule"
         if self.mode == "lever" and self.fixed_tree:
             text += "+fixed-tree"
         if self.mode == "lever" and not self.prune:

@@ -302,6 +302,21 @@ class LeverPolicy:
     # once they are done (at 768 MiB 0.996-1.07x in five runs, held-out 1.03x HumanEval and 1.01x
     # library-style; at 600 MiB within its 8% noise, 0.95-1.03x; README)
     calibrated_ahead: bool = True
+    # costs and pace of each schedule (lever_actors.schedule): a pass verified on every core and a draft
+    # the pass always waits for (turns) cost differently from a pass with a draft beside it (overlap)
+    schedule: str = "overlap"
+    others: dict = field(default_factory=dict)  # schedule -> (CostModel, DraftPace) not in use now
+
+    def use_schedule(self, schedule: str) -> None:
+        """Plan the next passes with ``schedule``'s costs and pace. A schedule met for the first time
+        starts from a copy of the current ones, so that its first pass is planned, not verified whole."""
+        if schedule == self.schedule:
+            return
+        from copy import deepcopy
+
+        self.others[self.schedule] = (self.costs, self.pace)
+        self.costs, self.pace = self.others.pop(schedule, None) or (deepcopy(self.costs), deepcopy(self.pace))
+        self.schedule = schedule
 
     def seed(self, n_rows: int, io_s: float, compute_s: float) -> None:
         """The prefill pass's measurements, until decode passes replace them (see CostModel.seed)."""

@@ -377,7 +377,7 @@ class VerifyPlan(PipelineMessage):
     the n nodes to ``bucket`` tokens and stops at ``exit_layers`` to let the pruner score.
     """
     KIND: ClassVar[str] = "plan.verify"
-    VERSION: ClassVar[int] = 4
+    VERSION: ClassVar[int] = 5
     position: int
     tokens: np.ndarray   # int32 [n]
     parents: np.ndarray  # int32 [n]
@@ -401,6 +401,9 @@ class VerifyPlan(PipelineMessage):
     # v4: prompt caching. A prefill keeps the KV rows of the longest prefix the prompt shares
     # with the verifier's committed rows and computes only the rest (VerifyDone.cache_n)
     reuse_prefix: bool = False
+    # v5: kernel threads of this pass; 0 = the verifier's own. A pass with no drafting beside it
+    # (lever taking turns with its drafter) runs on the drafting lane's cores too
+    threads: int = 0
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -414,8 +417,13 @@ class VerifyPlan(PipelineMessage):
     def upgrade_from_3(body: dict) -> dict:
         return body  # v4 only adds a field with a default
 
+    @staticmethod
+    def upgrade_from_4(body: dict) -> dict:
+        return body  # v5 only adds a field with a default
+
     def _check(self) -> None:
         _non_negative(self, "position")
+        _non_negative(self, "threads")
         n = _vector(self, "tokens", "int32").shape[0]
         parents, depths = _vector(self, "parents", "int32", n), _vector(self, "depths", "int32", n)
         if n < 1 or parents[0] != -1 or depths[0] != 0:

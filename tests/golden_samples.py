@@ -56,7 +56,7 @@ _SAMPLE_LIST: list[Message] = [
         **_HEADER, position=128, tokens=_i32(151_643, 198, 220, 262),
         parents=_i32(-1, 0, 0, 1), depths=_i32(0, 1, 1, 2), bucket=4, exit_layers=(8, 16),
         prev_accepted=(0, 2), want_logits=True, temperature=0.5, top_p=0.9375, seed=3,
-        alternatives=np.array([[198, 220], [262, 5], [13, 11], [9, 10]], dtype=np.int32), prune_threshold=-1.5, reuse_prefix=True),
+        alternatives=np.array([[198, 220], [262, 5], [13, 11], [9, 10]], dtype=np.int32), prune_threshold=-1.5, reuse_prefix=True, threads=2),
     ExitHidden(**_HEADER, layer=8, node_ids=_i32(0, 1, 3), handle=11, tokens=_i32(151_643, 198, 220, 262),
                parents=_i32(-1, 0, 0, 1), alternatives=np.array([[198, 220], [262, 5], [13, 11], [9, 10]], dtype=np.int32),
                threshold=-1.5),

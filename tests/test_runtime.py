@@ -590,3 +590,56 @@ def test_the_drafters_activations_are_planned_and_grow_with_the_context(tiny_bun
     assert plans[1024].items["draft_activations"] > plans[256].items["draft_activations"]
     alone = build_budget(EngineConfig(mode="flash-ar", context=1024, dram_budget=None), target, None, 0)
     assert "draft_activations" not in alone.items
+
+
+@pytest.mark.parametrize("draft_kind", ["perturbed", "exact", "unrelated"])
+def test_lever_taking_turns_is_lossless_and_verifies_on_both_lanes_cores(tiny_bundles, unrelated_draft, ar_tokens,
+                                                                         draft_kind, monkeypatch):
+    """lever's schedule switching every pass (overlap, turns, overlap, ...): the output is the target's,
+    the draft's committed KV rows are exactly prompt + output, a turns pass drafts nothing ahead and
+    verifies on the drafting lane's threads too, and each schedule keeps its own cost model."""
+    import numpy as np
+
+    from actors.npu_verify import NpuVerifier
+    from lever_actors import driver
+    from lever_actors.bundle import load_bundle
+    from lever_actors.model import Transformer
+    from lever_actors.ortrt import LaneConfig
+    from lever_actors.schedule import ScheduleChoice
+
+    monkeypatch.setattr(driver, "ScheduleChoice", lambda: ScheduleChoice(block=1, warmup=10_000))
+    plans = []
+    verify = NpuVerifier.verify
+
+    async def spy(self, plan):
+        plans.append(plan)
+        return await verify(self, plan)
+
+    monkeypatch.setattr(NpuVerifier, "verify", spy)
+    target = tiny_bundles[0]
+    draft = {"perturbed": tiny_bundles[1], "exact": target, "unrelated": unrelated_draft}[draft_kind]
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="lever", gamma=12, context=CONTEXT, dram_budget=24 * 2**20)
+    toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
+    assert toks == ar_tokens
+    assert stats["passes"] >= 2 and stats["turns_passes"] == stats["passes"] // 2
+    assert stats["schedule"]["blocks"]["turns"] == stats["turns_passes"]
+    # assumptions settled: the prefill's and those of overlap passes only (a turns pass drafts nothing ahead)
+    assert stats["spec_hits"] + stats["spec_misses"] <= stats["passes"] - stats["turns_passes"] + 1
+    both = pipe.target.lane.threads + pipe.drafter.threads
+    assert [p.threads for p in plans if not p.prefill] == [0, both] * (stats["passes"] // 2) + [0] * (stats["passes"] % 2)
+    assert set(pipe.lever.others) == {"overlap" if pipe.lever.schedule == "turns" else "turns"}
+    d = pipe.drafter
+    n = d.m.kv.length
+    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig())
+    ref.prefill((ids + toks)[:n])
+    np.testing.assert_array_equal(d.m.kv.k[:, :, :n], ref.kv.k[:, :, :n])
+
+
+def test_lever_without_auto_schedule_always_drafts_ahead(tiny_bundles, ar_tokens):
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="lever", gamma=12, context=CONTEXT, dram_budget=24 * 2**20).with_mode("lever:12+no-auto-schedule")
+    assert cfg.mode_string() == "lever:12+no-auto-schedule"
+    toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
+    assert toks == ar_tokens and stats["turns_passes"] == 0 and "schedule" not in stats
