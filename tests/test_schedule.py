@@ -90,3 +90,30 @@ def test_each_schedule_plans_with_its_own_costs():
     assert policy.costs is overlap_costs and policy.costs.pass_s(4) > turns_pass
     policy.use_schedule(TURNS)
     assert policy.costs.pass_s(4) == pytest.approx(turns_pass)
+
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.2, 5.0), st.integers(1, 12)), min_size=6, max_size=30),
+       st.sampled_from([0.8, 1.15, 1.4]))
+def test_prompts_of_any_difficulty_do_not_bias_the_choice(sequences, turns_gain):
+    """Each sequence (a prompt) has its own difficulty, which scales both schedules' rates alike; turns
+    is ``turns_gain`` times overlap within every one. Comparing adjacent blocks of one sequence
+    measures exactly that gain, wherever the blocks of each schedule happened to fall, and once it is
+    known the faster schedule runs all blocks but the one in every explore_every that checks the other."""
+    choice = ScheduleChoice()
+    best = TURNS if turns_gain > 1 else OVERLAP
+    order = []
+    for difficulty, passes in sequences:
+        choice.new_sequence()
+        for _ in range(passes):
+            if choice._passes == 0:
+                order.append((choice.current, choice.pairs > 0))
+            rate = difficulty * (turns_gain if choice.current == TURNS else 1.0)
+            choice.observe(4, 4 / rate)
+    if choice.pairs:
+        assert choice.gain() == pytest.approx(turns_gain)
+    informed = [s for s, known in order if known][1:]  # decided once the gain was measured
+    for i in range(len(informed) - 1):
+        assert best in informed[i:i + 2]  # the slower one never runs two blocks in a row
+    assert informed.count(best) >= len(informed) * (choice.explore_every - 1) // choice.explore_every - 1
