@@ -292,6 +292,7 @@ class LeverPolicy:
     ngram_calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     max_depth: int = 16
     last_size: int = 0
+    last_gain: float = 1.0  # expected tokens of the last tree selected: 1 + its nodes' path probabilities
     # +marginal-depth: price a node for the drafter's depth cut at what it adds to the pass (as the
     # planner does), not its whole compute. Deeper drafts ahead then also hold the drafting core longer,
     # which the pass feels where compute nears the reads (768 MiB: 0.92-1.04x; 600 MiB: 1.21x in one run,
@@ -356,13 +357,13 @@ class LeverPolicy:
         depth = np.zeros(len(parents), int)
         for i in range(1, len(parents)):
             depth[i] = depth[parents[i]] + 1
+        path_p = path_probabilities(parents, self.conditional(depth, draft_probs, ngram))
         if not self.costs.ready:  # first pass: nothing measured yet, verify what was drafted
             keep = list(range(min(len(parents), max_nodes + 1)))
         else:
-            cond = self.conditional(depth, draft_probs, ngram)
-            keep = plan_tree(parents, path_probabilities(parents, cond), self.costs.cost, max_nodes + 1,
-                             self.max_depth)
+            keep = plan_tree(parents, path_p, self.costs.cost, max_nodes + 1, self.max_depth)
         self.last_size = len(keep) - 1
+        self.last_gain = float(1.0 + path_p[keep[1:]].sum())
         return keep
 
     def observe(self, parents, depths, draft_probs, accepted_nodes, pass_s: float, compute_s: float,

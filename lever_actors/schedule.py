@@ -11,13 +11,17 @@ the target's compute bounds it (an AVX2 host: a verified row costs ~30 ms of one
 the pass and the draft each run nearly twice as fast alone as beside each other. They also
 share one memory bus, and the fresh draft follows the real outcome. The faster schedule
 can also change with the load on a shared machine. So it is measured, not predicted.
-Blocks of passes run each schedule, scored by committed tokens per second of their cycles.
-The faster one then runs, and the other gets a block again within every ``explore_every``.
+Blocks of passes run each schedule, scored by tokens per second of their cycles. The faster
+one then runs, and the other gets a block again within every ``explore_every``.
 
-How many tokens a pass commits depends on the prompt far more than on the schedule (from 8.8
-to 16 tok/s across development prompts for one schedule). So schedules are compared only
-between adjacent blocks of one sequence: each such pair gives a log ratio of their rates, and
-the decayed mean of those ratios decides.
+Two things keep the prompt out of the comparison. How many tokens a pass commits depends on
+the prompt far more than on the schedule (8.8 to 16 tok/s across development prompts for one
+schedule), so schedules are compared only between adjacent blocks of one sequence: each such
+pair gives a log ratio of their rates, and the decayed mean of those ratios decides. And a
+pass's tokens are the ones its tree was expected to commit (the planner's gain, 1 + the
+calibrated path probabilities of its nodes), not the ones it did commit: a tree's actual
+outcome swings from 1 to 10 tokens, which over blocks of three passes made the comparison
+noise (a host where overlap ran 1.14x faster chose turns for 35% of its passes).
 
 A pass's cycle runs from the moment its tree is ready to the moment the next tree is
 ready: its verification and the drafting that its schedule leaves unhidden.
@@ -75,8 +79,8 @@ class ScheduleChoice:
             self._close_block()
         self._previous = None
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One pass of the current schedule: ``tokens`` committed in a cycle of ``seconds``."""
+    def observe(self, tokens: float, seconds: float) -> None:
+        """One pass of the current schedule: ``tokens`` (expected) committed in a cycle of ``seconds``."""
         if seconds < 0 or tokens < 0:
             raise ValueError(f"a pass commits tokens >= 0 in seconds >= 0, got {tokens} in {seconds}")
         self._passes += 1

@@ -116,7 +116,7 @@ def test_multi_outcome_drafting_hits_early_stops_and_changes_no_token(tiny_bundl
         # every layer streamed, slowly enough that the pass is bound by its reads as on the real pair
         # (trees pay there; a pinned tiny model's pass is mostly bookkeeping, and its plans verify little)
         cfg = EngineConfig(mode="lever", gamma=16, context=CONTEXT, dram_budget=budget, multi_outcome=multi,
-                           runner_up=runner_up, flash_bandwidth=20e6)
+                           runner_up=runner_up, flash_bandwidth=20e6, auto_schedule=False)  # every pass drafts ahead
         requests.clear()
         toks, stats, _ = trio.run(generate, cfg, target, draft, ids)
         assert toks == ar_tokens
@@ -145,7 +145,7 @@ def test_idle_lanes_lend_their_threads(tiny_bundles, ar_tokens, monkeypatch):
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
     cfg = EngineConfig(mode="lever", gamma=16, context=CONTEXT, dram_budget=_min_budget(target, draft, "lever:16"),
-                       draft_threads=1, flash_bandwidth=20e6)
+                       draft_threads=1, flash_bandwidth=20e6, auto_schedule=False)  # every pass drafts ahead
     cfg = replace(cfg, lane=replace(cfg.lane, threads=2))
     verify_threads, own = [], NpuVerifier._use_threads
     monkeypatch.setattr(NpuVerifier, "_use_threads", lambda self, n: (verify_threads.append(n), own(self, n)))
