@@ -209,7 +209,7 @@ class Generation:
     prefill_draft: bool = False  # the drafter's answer to the prefill is still to be collected
     schedule: str = OVERLAP  # this pass's: the next tree drafted beside it, or after it (lever: schedule.py)
     cycle_start: float | None = None  # when this pass's tree was ready (its cycle ends when the next one is)
-    cycle_gain: float = 1.0  # the tokens this pass's tree was expected to commit (the planner's gain)
+    cycle_tokens: int = 0  # what the last pass committed
 
     @property
     def sampling(self) -> dict:
@@ -332,6 +332,7 @@ class Pipeline:
             self._observe(g, tree, commit, ps, time.perf_counter() - t_pass)
             await self._settle(g, commit)
             g.stats.pass_s += time.perf_counter() - t_pass
+            g.cycle_tokens = len(commit.tokens)
         self._end_cycle(g)
         out = self._finish(g, finish, io_before, t_io0, t_start, t_decode, check0)
         for k, v0 in steer0.items():  # the exit layer's outcome predictions and the trees planted for them
@@ -425,16 +426,15 @@ class Pipeline:
         """Once this pass's tree is ready: the last pass's cycle ends, and this pass's schedule is chosen."""
         if not self._auto_schedule(g):
             return
-        if g.step == 1:
-            self.schedule.new_sequence()
+        self.schedule.price(self.lever.schedule_costs(max(self.lever.last_size, 1)))
         self._end_cycle(g)
-        g.cycle_start, g.schedule, g.cycle_gain = time.perf_counter(), self.schedule.current, 1.0
+        g.cycle_start, g.schedule = time.perf_counter(), self.schedule.current
         self.lever.use_schedule(g.schedule)
         g.stats.turns_passes += g.schedule == TURNS
 
     def _end_cycle(self, g: Generation) -> None:
         if g.cycle_start is not None:
-            self.schedule.observe(g.cycle_gain, time.perf_counter() - g.cycle_start)
+            self.schedule.observe(g.cycle_tokens, time.perf_counter() - g.cycle_start)
             g.cycle_start = None
 
     def _draft_limits(self, g: Generation, hidden: bool) -> dict:
@@ -476,7 +476,6 @@ class Pipeline:
                 tree = tree.with_branch(branch, NGRAM_PRIOR)
                 g.stats.ngram_offered += 0 if tree.ngram is None else int(tree.ngram.sum())
         keep = self.lever.select(np.asarray(tree.parents), np.concatenate([[1.0], tree.probs]), g.gamma, tree.ngram)
-        g.cycle_gain = self.lever.last_gain
         g.stats.tree_sizes.append(len(keep) - 1)  # drafted nodes verified (the root is not drafted)
         return tree.subtree(keep)
 

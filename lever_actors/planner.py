@@ -292,7 +292,6 @@ class LeverPolicy:
     ngram_calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     max_depth: int = 16
     last_size: int = 0
-    last_gain: float = 1.0  # expected tokens of the last tree selected: 1 + its nodes' path probabilities
     # +marginal-depth: price a node for the drafter's depth cut at what it adds to the pass (as the
     # planner does), not its whole compute. Deeper drafts ahead then also hold the drafting core longer,
     # which the pass feels where compute nears the reads (768 MiB: 0.92-1.04x; 600 MiB: 1.21x in one run,
@@ -318,6 +317,12 @@ class LeverPolicy:
         self.others[self.schedule] = (self.costs, self.pace)
         self.costs, self.pace = self.others.pop(schedule, None) or (deepcopy(self.costs), deepcopy(self.pace))
         self.schedule = schedule
+
+    def schedule_costs(self, n_nodes: int) -> dict:
+        """Each schedule's cost model's seconds for a pass of ``n_nodes`` (with the drafting it waits
+        for), for the schedules met so far."""
+        models = dict(self.others, **{self.schedule: (self.costs, self.pace)})
+        return {s: costs.cost(n_nodes) for s, (costs, _) in models.items() if costs.ready}
 
     def seed(self, n_rows: int, io_s: float, compute_s: float) -> None:
         """The prefill pass's measurements, until decode passes replace them (see CostModel.seed)."""
@@ -363,7 +368,6 @@ class LeverPolicy:
         else:
             keep = plan_tree(parents, path_p, self.costs.cost, max_nodes + 1, self.max_depth)
         self.last_size = len(keep) - 1
-        self.last_gain = float(1.0 + path_p[keep[1:]].sum())
         return keep
 
     def observe(self, parents, depths, draft_probs, accepted_nodes, pass_s: float, compute_s: float,

@@ -8,23 +8,19 @@
 Which is faster depends on the host. Where flash reads bound a pass (an AVX-512 host at
 the standard budget), drafting beside the pass costs nothing and hides the draft. Where
 the target's compute bounds it (an AVX2 host: a verified row costs ~30 ms of one core),
-the pass and the draft each run nearly twice as fast alone as beside each other. They also
-share one memory bus, and the fresh draft follows the real outcome. The faster schedule
-can also change with the load on a shared machine. So it is measured, not predicted.
-Blocks of passes run each schedule, scored by tokens per second of their cycles. The faster
-one then runs, and the other gets a block again within every ``explore_every``.
+the pass and the draft each run nearly twice as fast alone as beside each other, and they
+share one memory bus. The answer can also change with the load on a shared machine. So it
+is measured, not predicted: blocks of passes run each schedule, and each schedule keeps its
+own cost model (the planner's seconds per pass for a tree of n nodes: reads, compute, and the
+drafting it waits for; :class:`lever_actors.planner.CostModel`). The schedule whose model
+prices the planner's last tree lower runs next, and the other one gets a block again within
+every ``explore_every``, so that its model follows the host.
 
-Two things keep the prompt out of the comparison. How many tokens a pass commits depends on
-the prompt far more than on the schedule (8.8 to 16 tok/s across development prompts for one
-schedule), so schedules are compared only between adjacent blocks of one sequence: each such
-pair gives a log ratio of their rates, and the decayed mean of those ratios decides. And a
-pass's tokens are the ones its tree was expected to commit (the planner's gain, 1 + the
-calibrated path probabilities of its nodes), not the ones it did commit: a tree's actual
-outcome swings from 1 to 10 tokens, which over blocks of three passes made the comparison
-noise (a host where overlap ran 1.14x faster chose turns for 35% of its passes).
-
-A pass's cycle runs from the moment its tree is ready to the moment the next tree is
-ready: its verification and the drafting that its schedule leaves unhidden.
+Why cost models and not the tokens per second each schedule reached: a pass commits 1 to 10
+tokens depending on the prompt, so blocks of a few passes compared by their tokens were noise
+(on a host where overlap ran 1.14x faster, that choice took turns for 35% of its passes, and
+the planner's expected tokens were no steadier). The cost models fit seconds against tree size
+over every pass, which hardly depends on the prompt.
 
 Pure logic, no trio: the driver reports each pass and asks which schedule the next one runs.
 """
@@ -32,28 +28,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 OVERLAP, TURNS = "overlap", "turns"
 SCHEDULES = (OVERLAP, TURNS)
 
 
 @dataclass
 class ScheduleChoice:
-    """Chooses ``overlap`` or ``turns`` block by block, from their measured tokens per second."""
+    """Chooses ``overlap`` or ``turns`` block by block: the one whose cost model prices a pass lower."""
 
     block: int = 3  # passes per block: one schedule runs a whole block (its first pass inherits the last one's tree)
-    warmup: int = 2  # blocks of each schedule, alternating, before the faster one is chosen
-    explore_every: int = 6  # then any this many blocks in a row run each schedule at least once
-    decay: float = 0.8  # weight of the earlier comparisons (and blocks) against the newest one
+    warmup: int = 2  # blocks of each schedule, alternating, before the cheaper one is chosen
+    explore_every: int = 8  # then any this many blocks in a row run each schedule at least once
+    decay: float = 0.8  # weight of a schedule's earlier blocks in its reported tokens per second
     current: str = OVERLAP
+    costs: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES))  # seconds per pass, as last priced
     tokens: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0.0))  # decayed sums per schedule
     seconds: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0.0))
     blocks: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0))
     last_block: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0))  # number of its latest block
-    log_gain: float = 0.0  # decayed sum of log(turns rate / overlap rate) over adjacent blocks
-    pairs: float = 0.0  # ... and their decayed count
-    _previous: tuple[str, float] | None = None  # the last block of this sequence: its schedule and rate
     _passes: int = 0  # of the current block
     _block_tokens: float = 0.0
     _block_s: float = 0.0
@@ -65,22 +57,19 @@ class ScheduleChoice:
             raise ValueError(f"unknown schedule {self.current!r}; schedules: {', '.join(SCHEDULES)}")
 
     def rate(self, schedule: str) -> float | None:
-        """Committed tokens per second of ``schedule``'s cycles (recent blocks weigh more); None unmeasured."""
+        """Committed tokens per second of ``schedule``'s cycles (recent blocks weigh more); None unmeasured.
+        Reported, not decided on (the prompt moves it more than the schedule does)."""
         s = self.seconds[schedule]
         return self.tokens[schedule] / s if s > 0 else None
 
-    def gain(self) -> float | None:
-        """Turns' tokens per second over overlap's, from adjacent blocks; None before any pair."""
-        return float(np.exp(self.log_gain / self.pairs)) if self.pairs > 0 else None
+    def price(self, costs: dict) -> None:
+        """Each schedule's predicted seconds for the next pass (its cost model at the planner's tree size)."""
+        for s in SCHEDULES:
+            self.costs[s] = costs.get(s)
 
-    def new_sequence(self) -> None:
-        """A new generation begins: its blocks are not compared with the last one's (another prompt)."""
-        if self._passes:
-            self._close_block()
-        self._previous = None
-
-    def observe(self, tokens: float, seconds: float) -> None:
-        """One pass of the current schedule: ``tokens`` (expected) committed in a cycle of ``seconds``."""
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One pass of the current schedule: ``tokens`` committed in a cycle of ``seconds`` (from its tree
+        being ready to the next tree being ready: its verification and the drafting left unhidden)."""
         if seconds < 0 or tokens < 0:
             raise ValueError(f"a pass commits tokens >= 0 in seconds >= 0, got {tokens} in {seconds}")
         self._passes += 1
@@ -91,13 +80,6 @@ class ScheduleChoice:
 
     def _close_block(self) -> None:
         s = self.current
-        if self._block_s > 1e-6:  # (a block measured as taking no time says nothing)
-            rate = max(self._block_tokens, 0.5) / self._block_s  # (a block that committed nothing stays finite)
-            if self._previous is not None and self._previous[0] != s:
-                ratio = float(np.log(rate / self._previous[1]))
-                self.log_gain = self.decay * self.log_gain + (ratio if s == TURNS else -ratio)
-                self.pairs = self.decay * self.pairs + 1.0
-            self._previous = (s, rate)
         self.tokens[s] = self.decay * self.tokens[s] + self._block_tokens
         self.seconds[s] = self.decay * self.seconds[s] + self._block_s
         self.blocks[s] += 1
@@ -109,16 +91,16 @@ class ScheduleChoice:
         short = [s for s in SCHEDULES if self.blocks[s] < self.warmup]
         if short:  # alternate until each is measured: the one with fewer blocks (overlap first)
             return min(short, key=lambda s: self.blocks[s])
-        gain = self.gain()
-        if gain is not None:
-            best = TURNS if gain > 1.0 else OVERLAP
-        else:
+        if any(self.costs[s] is None for s in SCHEDULES):
             best = max(SCHEDULES, key=lambda s: self.rate(s) or 0.0)
+        else:
+            best = min(SCHEDULES, key=lambda s: self.costs[s])
         other = next(s for s in SCHEDULES if s != best)
         if sum(self.blocks.values()) - self.last_block[other] >= self.explore_every - 1:
-            return other  # measured again: the load, or the prompt's acceptance, may have changed
+            return other  # measured again: its cost model follows the host's load
         return best
 
     def describe(self) -> dict:
-        return {"current": self.current, "blocks": dict(self.blocks), "turns_gain": self.gain(),
+        return {"current": self.current, "blocks": dict(self.blocks),
+                "pass_s": {s: self.costs[s] for s in SCHEDULES},
                 "tokens_per_s": {s: self.rate(s) for s in SCHEDULES}}
