@@ -426,7 +426,6 @@ class Pipeline:
         """Once this pass's tree is ready: the last pass's cycle ends, and this pass's schedule is chosen."""
         if not self._auto_schedule(g):
             return
-        self.schedule.price(self.lever.schedule_costs(max(self.lever.last_size, 1)))
         self._end_cycle(g)
         g.cycle_start, g.schedule = time.perf_counter(), self.schedule.current
         self.lever.use_schedule(g.schedule)

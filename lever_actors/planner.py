@@ -318,12 +318,6 @@ class LeverPolicy:
         self.costs, self.pace = self.others.pop(schedule, None) or (deepcopy(self.costs), deepcopy(self.pace))
         self.schedule = schedule
 
-    def schedule_costs(self, n_nodes: int) -> dict:
-        """Each schedule's cost model's seconds for a pass of ``n_nodes`` (with the drafting it waits
-        for), for the schedules met so far."""
-        models = dict(self.others, **{self.schedule: (self.costs, self.pace)})
-        return {s: costs.cost(n_nodes) for s, (costs, _) in models.items() if costs.ready}
-
     def seed(self, n_rows: int, io_s: float, compute_s: float) -> None:
         """The prefill pass's measurements, until decode passes replace them (see CostModel.seed)."""
         if not self.costs.ready:

@@ -10,17 +10,19 @@ the standard budget), drafting beside the pass costs nothing and hides the draft
 the target's compute bounds it (an AVX2 host: a verified row costs ~30 ms of one core),
 the pass and the draft each run nearly twice as fast alone as beside each other, and they
 share one memory bus. The answer can also change with the load on a shared machine. So it
-is measured, not predicted: blocks of passes run each schedule, and each schedule keeps its
-own cost model (the planner's seconds per pass for a tree of n nodes: reads, compute, and the
-drafting it waits for; :class:`lever_actors.planner.CostModel`). The schedule whose model
-prices the planner's last tree lower runs next, and the other one gets a block again within
-every ``explore_every``, so that its model follows the host.
+is measured, not predicted: blocks of passes run each schedule, and the schedule whose passes
+cycle faster runs next; the other one gets a block again within every ``explore_every``, so
+that its measure follows the host.
 
-Why cost models and not the tokens per second each schedule reached: a pass commits 1 to 10
-tokens depending on the prompt, so blocks of a few passes compared by their tokens were noise
-(on a host where overlap ran 1.14x faster, that choice took turns for 35% of its passes, and
-the planner's expected tokens were no steadier). The cost models fit seconds against tree size
-over every pass, which hardly depends on the prompt.
+A pass's cycle runs from the moment its tree is ready to the moment the next tree is ready:
+its verification and the drafting its schedule leaves unhidden. Seconds per cycle, not tokens
+per second, decide. A pass commits 1 to 10 tokens depending on the prompt, so blocks of a few
+passes compared by their tokens were noise: on a host where overlap ran 1.14x faster, that
+choice took turns for 35% of its passes, and the planner's expected tokens were no steadier.
+The planner's cost models converged too slowly: a turns model starts as a copy of the overlap
+one and learns its drafting cost a pass at a time. A cycle takes 0.5-0.9 s whatever the prompt.
+Turns' fresh trees commit a few percent more tokens a pass, which this leaves out: a tie goes
+to overlap.
 
 Pure logic, no trio: the driver reports each pass and asks which schedule the next one runs.
 """
@@ -34,14 +36,15 @@ SCHEDULES = (OVERLAP, TURNS)
 
 @dataclass
 class ScheduleChoice:
-    """Chooses ``overlap`` or ``turns`` block by block: the one whose cost model prices a pass lower."""
+    """Chooses ``overlap`` or ``turns`` block by block: the one whose passes cycle faster."""
 
     block: int = 3  # passes per block: one schedule runs a whole block (its first pass inherits the last one's tree)
     warmup: int = 2  # blocks of each schedule, alternating, before the cheaper one is chosen
     explore_every: int = 8  # then any this many blocks in a row run each schedule at least once
     decay: float = 0.8  # weight of a schedule's earlier blocks in its reported tokens per second
+    alpha: float = 0.2  # weight of a schedule's newest pass in its seconds per cycle
     current: str = OVERLAP
-    costs: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES))  # seconds per pass, as last priced
+    cycle_s: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES))  # moving average per schedule
     tokens: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0.0))  # decayed sums per schedule
     seconds: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0.0))
     blocks: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0))
@@ -51,8 +54,9 @@ class ScheduleChoice:
     _block_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.block < 1 or self.warmup < 1 or self.explore_every < 1 or not 0.0 <= self.decay < 1.0:
-            raise ValueError("ScheduleChoice needs block, warmup, explore_every >= 1 and 0 <= decay < 1")
+        if self.block < 1 or self.warmup < 1 or self.explore_every < 1 or not 0.0 <= self.decay < 1.0 \
+                or not 0.0 < self.alpha <= 1.0:
+            raise ValueError("ScheduleChoice needs block, warmup, explore_every >= 1, 0 <= decay < 1, 0 < alpha <= 1")
         if self.current not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.current!r}; schedules: {', '.join(SCHEDULES)}")
 
@@ -62,17 +66,14 @@ class ScheduleChoice:
         s = self.seconds[schedule]
         return self.tokens[schedule] / s if s > 0 else None
 
-    def price(self, costs: dict) -> None:
-        """Each schedule's predicted seconds for the next pass (its cost model at the planner's tree size)."""
-        for s in SCHEDULES:
-            self.costs[s] = costs.get(s)
-
     def observe(self, tokens: int, seconds: float) -> None:
         """One pass of the current schedule: ``tokens`` committed in a cycle of ``seconds`` (from its tree
         being ready to the next tree being ready: its verification and the drafting left unhidden)."""
         if seconds < 0 or tokens < 0:
             raise ValueError(f"a pass commits tokens >= 0 in seconds >= 0, got {tokens} in {seconds}")
         self._passes += 1
+        old = self.cycle_s[self.current]
+        self.cycle_s[self.current] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
         self._block_tokens += tokens
         self._block_s += seconds
         if self._passes >= self.block:
@@ -91,16 +92,13 @@ class ScheduleChoice:
         short = [s for s in SCHEDULES if self.blocks[s] < self.warmup]
         if short:  # alternate until each is measured: the one with fewer blocks (overlap first)
             return min(short, key=lambda s: self.blocks[s])
-        if any(self.costs[s] is None for s in SCHEDULES):
-            best = max(SCHEDULES, key=lambda s: self.rate(s) or 0.0)
-        else:
-            best = min(SCHEDULES, key=lambda s: self.costs[s])
+        best = TURNS if self.cycle_s[TURNS] < self.cycle_s[OVERLAP] else OVERLAP
         other = next(s for s in SCHEDULES if s != best)
         if sum(self.blocks.values()) - self.last_block[other] >= self.explore_every - 1:
-            return other  # measured again: its cost model follows the host's load
+            return other  # measured again: the host's load may have changed
         return best
 
     def describe(self) -> dict:
         return {"current": self.current, "blocks": dict(self.blocks),
-                "pass_s": {s: self.costs[s] for s in SCHEDULES},
+                "cycle_s": dict(self.cycle_s),
                 "tokens_per_s": {s: self.rate(s) for s in SCHEDULES}}
