@@ -426,6 +426,8 @@ class Pipeline:
         """Once this pass's tree is ready: the last pass's cycle ends, and this pass's schedule is chosen."""
         if not self._auto_schedule(g):
             return
+        if g.step == 1:
+            self.schedule.new_sequence()
         self._end_cycle(g)
         g.cycle_start, g.schedule = time.perf_counter(), self.schedule.current
         self.lever.use_schedule(g.schedule)

@@ -16,11 +16,15 @@ that its measure follows the host.
 
 A pass's cycle runs from the moment its tree is ready to the moment the next tree is ready:
 its verification and the drafting its schedule leaves unhidden. Seconds per cycle, not tokens
-per second, decide. A pass commits 1 to 10 tokens depending on the prompt, so blocks of a few
-passes compared by their tokens were noise: on a host where overlap ran 1.14x faster, that
-choice took turns for 35% of its passes, and the planner's expected tokens were no steadier.
-The planner's cost models converged too slowly: a turns model starts as a copy of the overlap
-one and learns its drafting cost a pass at a time. A cycle takes 0.5-0.9 s whatever the prompt.
+per second, decide, and only blocks next to each other in one sequence are compared: each such
+pair gives the log ratio of their mean cycles, and the decayed mean of those ratios decides.
+What was tried first, on a host emulated to be read-bound where overlap ran 1.14x faster:
+* tokens per second of each schedule's blocks: a pass commits 1 to 10 tokens depending on the
+  prompt, and this took turns for 35% of the passes (the planner's expected tokens, no better);
+* the planner's cost model of each schedule: a turns model starts as a copy of the overlap one
+  and learns its drafting cost a pass at a time, too slowly for a bench of 60 passes;
+* a moving average of each schedule's cycle: a prompt's trees set its cycle (0.57-0.72 s for
+  overlap alone, prompt to prompt) about as much as the schedule does. Still 37% turns.
 Turns' fresh trees commit a few percent more tokens a pass, which this leaves out: a tie goes
 to overlap.
 
@@ -29,6 +33,8 @@ Pure logic, no trio: the driver reports each pass and asks which schedule the ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 OVERLAP, TURNS = "overlap", "turns"
 SCHEDULES = (OVERLAP, TURNS)
@@ -45,6 +51,9 @@ class ScheduleChoice:
     alpha: float = 0.2  # weight of a schedule's newest pass in its seconds per cycle
     current: str = OVERLAP
     cycle_s: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES))  # moving average per schedule
+    log_ratio: float = 0.0  # decayed sum of log(turns cycle / overlap cycle) over adjacent blocks
+    pairs: float = 0.0  # ... and their decayed count
+    _previous: tuple[str, float] | None = None  # the last block of this sequence: its schedule and mean cycle
     tokens: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0.0))  # decayed sums per schedule
     seconds: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0.0))
     blocks: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0))
@@ -66,6 +75,14 @@ class ScheduleChoice:
         s = self.seconds[schedule]
         return self.tokens[schedule] / s if s > 0 else None
 
+    def turns_ratio(self) -> float | None:
+        """A turns cycle over an overlap cycle, from adjacent blocks; None before any pair."""
+        return float(np.exp(self.log_ratio / self.pairs)) if self.pairs > 0 else None
+
+    def new_sequence(self) -> None:
+        """A new generation begins: its blocks are not compared with the last one's (another prompt)."""
+        self._previous = None
+
     def observe(self, tokens: int, seconds: float) -> None:
         """One pass of the current schedule: ``tokens`` committed in a cycle of ``seconds`` (from its tree
         being ready to the next tree being ready: its verification and the drafting left unhidden)."""
@@ -81,6 +98,13 @@ class ScheduleChoice:
 
     def _close_block(self) -> None:
         s = self.current
+        mean = self._block_s / self._passes
+        if mean > 1e-6:  # (a block measured as taking no time says nothing)
+            if self._previous is not None and self._previous[0] != s:
+                ratio = float(np.log(mean / self._previous[1]))
+                self.log_ratio = self.decay * self.log_ratio + (ratio if s == TURNS else -ratio)
+                self.pairs = self.decay * self.pairs + 1.0
+            self._previous = (s, mean)
         self.tokens[s] = self.decay * self.tokens[s] + self._block_tokens
         self.seconds[s] = self.decay * self.seconds[s] + self._block_s
         self.blocks[s] += 1
@@ -92,7 +116,10 @@ class ScheduleChoice:
         short = [s for s in SCHEDULES if self.blocks[s] < self.warmup]
         if short:  # alternate until each is measured: the one with fewer blocks (overlap first)
             return min(short, key=lambda s: self.blocks[s])
-        best = TURNS if self.cycle_s[TURNS] < self.cycle_s[OVERLAP] else OVERLAP
+        ratio = self.turns_ratio()
+        if ratio is None:
+            ratio = self.cycle_s[TURNS] / self.cycle_s[OVERLAP]
+        best = TURNS if ratio < 1.0 else OVERLAP
         other = next(s for s in SCHEDULES if s != best)
         if sum(self.blocks.values()) - self.last_block[other] >= self.explore_every - 1:
             return other  # measured again: the host's load may have changed
@@ -100,5 +127,5 @@ class ScheduleChoice:
 
     def describe(self) -> dict:
         return {"current": self.current, "blocks": dict(self.blocks),
-                "cycle_s": dict(self.cycle_s),
+                "cycle_s": dict(self.cycle_s), "turns_ratio": self.turns_ratio(),
                 "tokens_per_s": {s: self.rate(s) for s in SCHEDULES}}
