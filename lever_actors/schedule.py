@@ -80,7 +80,10 @@ class ScheduleChoice:
         return float(np.exp(self.log_ratio / self.pairs)) if self.pairs > 0 else None
 
     def new_sequence(self) -> None:
-        """A new generation begins: its blocks are not compared with the last one's (another prompt)."""
+        """A new generation begins: its blocks are not compared with the last one's (another prompt),
+        and the last one's unfinished block ends here."""
+        if self._passes:
+            self._close_block()
         self._previous = None
 
     def observe(self, tokens: int, seconds: float) -> None:
