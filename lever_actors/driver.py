@@ -210,6 +210,7 @@ class Generation:
     schedule: str = OVERLAP  # this pass's: the next tree drafted beside it, or after it (lever: schedule.py)
     cycle_start: float | None = None  # when this pass's tree was ready (its cycle ends when the next one is)
     cycle_tokens: int = 0  # what the last pass committed
+    cycle_parts: tuple = (None, 0.0)  # ... and its flash reads (None: nothing streams) and layer compute
 
     @property
     def sampling(self) -> dict:
@@ -332,7 +333,7 @@ class Pipeline:
             self._observe(g, tree, commit, ps, time.perf_counter() - t_pass)
             await self._settle(g, commit)
             g.stats.pass_s += time.perf_counter() - t_pass
-            g.cycle_tokens = len(commit.tokens)
+            g.cycle_tokens, g.cycle_parts = len(commit.tokens), (self._pass_reads(g), ps.compute_s)
         self._end_cycle(g)
         out = self._finish(g, finish, io_before, t_io0, t_start, t_decode, check0)
         for k, v0 in steer0.items():  # the exit layer's outcome predictions and the trees planted for them
@@ -426,8 +427,6 @@ class Pipeline:
         """Once this pass's tree is ready: the last pass's cycle ends, and this pass's schedule is chosen."""
         if not self._auto_schedule(g):
             return
-        if g.step == 1:
-            self.schedule.new_sequence()
         self._end_cycle(g)
         g.cycle_start, g.schedule = time.perf_counter(), self.schedule.current
         self.lever.use_schedule(g.schedule)
@@ -435,7 +434,7 @@ class Pipeline:
 
     def _end_cycle(self, g: Generation) -> None:
         if g.cycle_start is not None:
-            self.schedule.observe(g.cycle_tokens, time.perf_counter() - g.cycle_start)
+            self.schedule.observe(g.cycle_tokens, time.perf_counter() - g.cycle_start, *g.cycle_parts)
             g.cycle_start = None
 
     def _draft_limits(self, g: Generation, hidden: bool) -> dict:

@@ -9,24 +9,24 @@ Which is faster depends on the host. Where flash reads bound a pass (an AVX-512 
 the standard budget), drafting beside the pass costs nothing and hides the draft. Where
 the target's compute bounds it (an AVX2 host: a verified row costs ~30 ms of one core),
 the pass and the draft each run nearly twice as fast alone as beside each other, and they
-share one memory bus. The answer can also change with the load on a shared machine. So it
-is measured, not predicted: blocks of passes run each schedule, and the schedule whose passes
-cycle faster runs next; the other one gets a block again within every ``explore_every``, so
-that its measure follows the host.
+share one memory bus. The answer can also change with the load on a shared machine.
 
-A pass's cycle runs from the moment its tree is ready to the moment the next tree is ready:
-its verification and the drafting its schedule leaves unhidden. Seconds per cycle, not tokens
-per second, decide, and only blocks next to each other in one sequence are compared: each such
-pair gives the log ratio of their mean cycles, and the decayed mean of those ratios decides.
-What was tried first, on a host emulated to be read-bound where overlap ran 1.14x faster:
-* tokens per second of each schedule's blocks: a pass commits 1 to 10 tokens depending on the
-  prompt, and this took turns for 35% of the passes (the planner's expected tokens, no better);
-* the planner's cost model of each schedule: a turns model starts as a copy of the overlap one
-  and learns its drafting cost a pass at a time, too slowly for a bench of 60 passes;
-* a moving average of each schedule's cycle: a prompt's trees set its cycle (0.57-0.72 s for
-  overlap alone, prompt to prompt) about as much as the schedule does. Still 37% turns.
-Turns' fresh trees commit a few percent more tokens a pass, which this leaves out: a tie goes
-to overlap.
+So the overlap passes measure it: their flash reads against their layer compute (moving
+averages). While the reads take longer, the cores idle for them and drafting beside the pass
+is free: overlap. Once compute takes longer, every core is busy and the draft beside the pass
+slows it: turns. Blocks of passes run one schedule; taking turns, one block in every
+``explore_every`` runs overlap again so that the measure follows the host.
+
+Measured on development prompts (HumanEval 0:8, 48 tokens; README):
+* AVX2 host, 768 MiB: compute 1.43x the reads; turns 1.02-1.16x overlap.
+* AVX2 host, 600 MiB: compute 1.12x the reads; turns 1.07-1.10x overlap.
+* Same host with reads capped at 1.5 GB/s: compute 0.64x the reads; overlap 1.14-1.19x turns.
+
+Tried first, and not kept: choosing by what each schedule reached, in blocks of three passes.
+A pass commits 1 to 10 tokens and takes 0.5-0.9 s depending on the prompt and its trees, about
+as much as the schedule moves it. Tokens per second, the planner's expected tokens, seconds per
+cycle, and the cycles of adjacent blocks of one sequence all took turns for 35-41% of the passes
+where overlap ran 1.14x faster. Each schedule's own cost model converged too slowly.
 
 Pure logic, no trio: the driver reports each pass and asks which schedule the next one runs.
 """
@@ -34,26 +34,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 OVERLAP, TURNS = "overlap", "turns"
 SCHEDULES = (OVERLAP, TURNS)
 
 
 @dataclass
 class ScheduleChoice:
-    """Chooses ``overlap`` or ``turns`` block by block: the one whose passes cycle faster."""
+    """Chooses ``overlap`` or ``turns`` block by block: turns once overlap passes compute longer than they read."""
 
     block: int = 3  # passes per block: one schedule runs a whole block (its first pass inherits the last one's tree)
-    warmup: int = 2  # blocks of each schedule, alternating, before the cheaper one is chosen
-    explore_every: int = 8  # then any this many blocks in a row run each schedule at least once
+    warmup: int = 2  # overlap blocks before the first choice
+    explore_every: int = 8  # taking turns, any this many blocks in a row hold an overlap block
     decay: float = 0.8  # weight of a schedule's earlier blocks in its reported tokens per second
-    alpha: float = 0.2  # weight of a schedule's newest pass in its seconds per cycle
+    alpha: float = 0.2  # weight of an overlap pass's newest reads and compute in their moving averages
     current: str = OVERLAP
-    cycle_s: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES))  # moving average per schedule
-    log_ratio: float = 0.0  # decayed sum of log(turns cycle / overlap cycle) over adjacent blocks
-    pairs: float = 0.0  # ... and their decayed count
-    _previous: tuple[str, float] | None = None  # the last block of this sequence: its schedule and mean cycle
+    reads_s: float | None = None  # an overlap pass's flash reads (moving average)
+    compute_s: float | None = None  # ... and its layer compute
     tokens: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0.0))  # decayed sums per schedule
     seconds: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0.0))
     blocks: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0))
@@ -75,25 +71,22 @@ class ScheduleChoice:
         s = self.seconds[schedule]
         return self.tokens[schedule] / s if s > 0 else None
 
-    def turns_ratio(self) -> float | None:
-        """A turns cycle over an overlap cycle, from adjacent blocks; None before any pair."""
-        return float(np.exp(self.log_ratio / self.pairs)) if self.pairs > 0 else None
+    def compute_bound(self) -> bool | None:
+        """Whether overlap passes compute longer than they read; None before one was measured."""
+        if self.compute_s is None:
+            return None
+        return self.compute_s > self.reads_s
 
-    def new_sequence(self) -> None:
-        """A new generation begins: its blocks are not compared with the last one's (another prompt),
-        and the last one's unfinished block ends here."""
-        if self._passes:
-            self._close_block()
-        self._previous = None
-
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, reads_s: float | None, compute_s: float) -> None:
         """One pass of the current schedule: ``tokens`` committed in a cycle of ``seconds`` (from its tree
-        being ready to the next tree being ready: its verification and the drafting left unhidden)."""
-        if seconds < 0 or tokens < 0:
-            raise ValueError(f"a pass commits tokens >= 0 in seconds >= 0, got {tokens} in {seconds}")
+        being ready to the next tree being ready), its flash reads (None: nothing streams) and compute."""
+        if min(tokens, seconds, compute_s, reads_s or 0.0) < 0:
+            raise ValueError(f"a pass's tokens and seconds are >= 0, got {tokens}, {seconds}, {reads_s}, {compute_s}")
         self._passes += 1
-        old = self.cycle_s[self.current]
-        self.cycle_s[self.current] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        if self.current == OVERLAP:
+            a = self.alpha
+            self.reads_s = (reads_s or 0.0) if self.reads_s is None else (1 - a) * self.reads_s + a * (reads_s or 0.0)
+            self.compute_s = compute_s if self.compute_s is None else (1 - a) * self.compute_s + a * compute_s
         self._block_tokens += tokens
         self._block_s += seconds
         if self._passes >= self.block:
@@ -101,13 +94,6 @@ class ScheduleChoice:
 
     def _close_block(self) -> None:
         s = self.current
-        mean = self._block_s / self._passes
-        if mean > 1e-6:  # (a block measured as taking no time says nothing)
-            if self._previous is not None and self._previous[0] != s:
-                ratio = float(np.log(mean / self._previous[1]))
-                self.log_ratio = self.decay * self.log_ratio + (ratio if s == TURNS else -ratio)
-                self.pairs = self.decay * self.pairs + 1.0
-            self._previous = (s, mean)
         self.tokens[s] = self.decay * self.tokens[s] + self._block_tokens
         self.seconds[s] = self.decay * self.seconds[s] + self._block_s
         self.blocks[s] += 1
@@ -116,19 +102,13 @@ class ScheduleChoice:
         self.current = self._next()
 
     def _next(self) -> str:
-        short = [s for s in SCHEDULES if self.blocks[s] < self.warmup]
-        if short:  # alternate until each is measured: the one with fewer blocks (overlap first)
-            return min(short, key=lambda s: self.blocks[s])
-        ratio = self.turns_ratio()
-        if ratio is None:
-            ratio = self.cycle_s[TURNS] / self.cycle_s[OVERLAP]
-        best = TURNS if ratio < 1.0 else OVERLAP
-        other = next(s for s in SCHEDULES if s != best)
-        if sum(self.blocks.values()) - self.last_block[other] >= self.explore_every - 1:
-            return other  # measured again: the host's load may have changed
-        return best
+        if self.blocks[OVERLAP] < self.warmup or not self.compute_bound():
+            return OVERLAP
+        if sum(self.blocks.values()) - self.last_block[OVERLAP] >= self.explore_every - 1:
+            return OVERLAP  # measured again: the host's load may have changed
+        return TURNS
 
     def describe(self) -> dict:
         return {"current": self.current, "blocks": dict(self.blocks),
-                "cycle_s": dict(self.cycle_s), "turns_ratio": self.turns_ratio(),
+                "reads_s": self.reads_s, "compute_s": self.compute_s,
                 "tokens_per_s": {s: self.rate(s) for s in SCHEDULES}}

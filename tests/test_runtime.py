@@ -423,6 +423,8 @@ def test_lever_planned_trees_are_lossless(tiny_bundles, unrelated_draft, ar_toke
     if draft_kind == "exact":  # every node is accepted: the planner learns that nodes pay
         assert stats["mean_tree_nodes"] >= 2
     assert pipe.lever.costs.ready and pipe.lever.calibration.seen.sum() > 0
+    # the schedule rests on the overlap passes' reads and compute, as measured
+    assert stats["schedule"]["compute_s"] > 0 and stats["schedule"]["reads_s"] >= 0
 
 
 @pytest.mark.parametrize("mode,size", [("flash-chain", 3), ("lever", 12)])
@@ -607,7 +609,8 @@ def test_lever_taking_turns_is_lossless_and_verifies_on_both_lanes_cores(tiny_bu
     from lever_actors.ortrt import LaneConfig
     from lever_actors.schedule import ScheduleChoice
 
-    monkeypatch.setattr(driver, "ScheduleChoice", lambda: ScheduleChoice(block=1, warmup=10_000))
+    monkeypatch.setattr(ScheduleChoice, "_next", lambda self: "turns" if self.current == "overlap" else "overlap")
+    monkeypatch.setattr(driver, "ScheduleChoice", lambda: ScheduleChoice(block=1))
     plans = []
     verify = NpuVerifier.verify
 

@@ -6,102 +6,85 @@ from lever_actors.planner import LeverPolicy
 from lever_actors.schedule import OVERLAP, SCHEDULES, TURNS, ScheduleChoice
 
 
-def run_blocks(choice: ScheduleChoice, pass_s: dict, blocks: int, tokens=lambda s, i: 4) -> list[str]:
-    """Run ``blocks`` whole blocks, a schedule's passes cycling in ``pass_s[schedule]`` seconds; the
-    schedule of each block, in order."""
+def run_blocks(choice: ScheduleChoice, reads_s: float, compute_s: float, blocks: int, tokens=4) -> list[str]:
+    """Run ``blocks`` whole blocks whose overlap passes read for ``reads_s`` and compute for ``compute_s``
+    (turns passes compute faster); the schedule of each block, in order."""
     order = []
-    for b in range(blocks):
+    for _ in range(blocks):
         s = choice.current
         order.append(s)
-        for i in range(choice.block):
-            choice.observe(tokens(s, b * choice.block + i), pass_s[s])
+        for _ in range(choice.block):
+            compute = compute_s if s == OVERLAP else compute_s / 2
+            choice.observe(tokens, max(reads_s, compute), reads_s, compute)
     return order
 
 
-def test_warmup_alternates_then_the_cheaper_runs_and_the_other_is_measured_again():
+def test_compute_bound_passes_take_turns_and_overlap_is_measured_again():
     choice = ScheduleChoice(block=3, warmup=2, explore_every=6)
-    order = run_blocks(choice, {OVERLAP: 0.40, TURNS: 0.36}, 16)
-    assert order[:4] == [OVERLAP, TURNS, OVERLAP, TURNS]
-    assert order[4:] == [TURNS] * 4 + [OVERLAP] + [TURNS] * 5 + [OVERLAP, TURNS]
-    assert choice.rate(TURNS) == pytest.approx(4 / 0.36) and choice.rate(OVERLAP) == pytest.approx(4 / 0.40)
+    order = run_blocks(choice, reads_s=0.23, compute_s=0.33, blocks=16)
+    assert order[:2] == [OVERLAP, OVERLAP]
+    assert order[2:] == [TURNS] * 5 + [OVERLAP] + [TURNS] * 5 + [OVERLAP] + [TURNS] * 2
+    assert choice.compute_bound() and choice.rate(TURNS) == pytest.approx(4 / 0.23)
 
 
-def test_overlap_wins_where_reads_bound_the_pass():
-    order = run_blocks(ScheduleChoice(), {OVERLAP: 0.62, TURNS: 0.74}, 24)
-    assert order[4:].count(OVERLAP) == 18 and order[-1] == OVERLAP
-
-
-def test_the_prompt_does_not_decide_what_the_cycles_do():
-    """Every turns block lands on passes that commit 1 token and every overlap block on passes that
-    commit 9 (a hard and an easy stretch): tokens per second says overlap, the cycles say turns."""
+def test_read_bound_passes_always_draft_beside_the_pass():
     choice = ScheduleChoice()
-    run_blocks(choice, {OVERLAP: 0.40, TURNS: 0.34}, 12, tokens=lambda s, i: 1 if s == TURNS else 9)
-    assert choice.rate(OVERLAP) > choice.rate(TURNS)
-    assert choice.current == TURNS and choice.blocks[TURNS] > choice.blocks[OVERLAP]
+    assert run_blocks(choice, reads_s=0.61, compute_s=0.39, blocks=24) == [OVERLAP] * 24
+    assert choice.compute_bound() is False and choice.blocks[TURNS] == 0
+
+
+def test_nothing_streamed_is_compute_bound():
+    choice = ScheduleChoice(block=1, warmup=1)
+    choice.observe(3, 0.2, None, 0.2)
+    assert choice.compute_bound() and choice.current == TURNS
 
 
 def test_the_choice_follows_when_the_host_changes():
     choice = ScheduleChoice()
-    run_blocks(choice, {OVERLAP: 0.40, TURNS: 0.36}, 12)
-    later = run_blocks(choice, {OVERLAP: 0.30, TURNS: 0.36}, 30)
-    # within two rounds of measuring overlap again, it runs every block but the checks of turns
-    assert later[2 * choice.explore_every:].count(OVERLAP) >= (30 - 2 * choice.explore_every) * 7 // 8
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.3, 3.0), st.integers(1, 12)), min_size=6, max_size=30),
-       st.sampled_from([0.8, 0.9, 1.15, 1.3]))
-def test_a_prompts_own_cycle_time_does_not_bias_the_choice(sequences, turns_ratio):
-    """Each sequence (a prompt) has its own cycle time (its trees' size), which scales both schedules'
-    cycles alike; a turns cycle takes ``turns_ratio`` times an overlap one within every one. Comparing
-    adjacent blocks of one sequence measures exactly that ratio, wherever each schedule's blocks fell."""
-    choice = ScheduleChoice()
-    for base_s, passes in sequences:
-        choice.new_sequence()
-        for _ in range(passes):
-            choice.observe(4, base_s * (turns_ratio if choice.current == TURNS else 1.0))
-    if choice.pairs:
-        assert choice.turns_ratio() == pytest.approx(turns_ratio)
+    run_blocks(choice, reads_s=0.23, compute_s=0.33, blocks=12)
+    later = run_blocks(choice, reads_s=0.50, compute_s=0.33, blocks=16)
+    first = later.index(OVERLAP)  # the next overlap block measures the new reads
+    assert first < choice.explore_every and later[first + 2:] == [OVERLAP] * (len(later) - first - 2)
 
 
 def test_a_block_closes_after_its_passes_only():
-    choice = ScheduleChoice(block=3)
-    choice.observe(2, 0.5)
-    choice.observe(2, 0.5)
-    assert choice.blocks == {OVERLAP: 0, TURNS: 0} and choice.rate(OVERLAP) is None
-    choice.observe(2, 0.5)
+    choice = ScheduleChoice(block=3, warmup=1)
+    choice.observe(2, 0.5, 0.2, 0.3)
+    choice.observe(2, 0.5, 0.2, 0.3)
+    assert choice.blocks == {OVERLAP: 0, TURNS: 0} and choice.current == OVERLAP
+    choice.observe(2, 0.5, 0.2, 0.3)
     assert choice.blocks[OVERLAP] == 1 and choice.rate(OVERLAP) == pytest.approx(4.0) and choice.current == TURNS
 
 
 def test_bad_settings_and_observations_are_refused():
+    for bad in ({"block": 0}, {"decay": 1.0}, {"alpha": 0.0}, {"current": "sideways"}):
+        with pytest.raises(ValueError):
+            ScheduleChoice(**bad)
     with pytest.raises(ValueError):
-        ScheduleChoice(block=0)
+        ScheduleChoice().observe(3, -1.0, 0.1, 0.1)
     with pytest.raises(ValueError):
-        ScheduleChoice(decay=1.0)
-    with pytest.raises(ValueError):
-        ScheduleChoice(alpha=0.0)
-    with pytest.raises(ValueError):
-        ScheduleChoice(current="sideways")
-    with pytest.raises(ValueError):
-        ScheduleChoice().observe(3, -1.0)
+        ScheduleChoice().observe(3, 1.0, -0.1, 0.1)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 20), st.floats(0.0, 5.0)), min_size=1, max_size=200),
+@given(st.lists(st.tuples(st.integers(0, 20), st.floats(0.0, 5.0), st.one_of(st.none(), st.floats(0.0, 2.0)),
+                          st.floats(0.0, 2.0)), min_size=1, max_size=200),
        st.integers(1, 5), st.integers(1, 3), st.integers(2, 8))
-def test_neither_schedule_goes_unmeasured_whatever_the_timings(passes, block, warmup, explore_every):
-    """Invariant: the warmup alternates, any explore_every blocks in a row run both schedules (the
-    slower one is measured again however the timings go), and the choice is a known schedule."""
+def test_overlap_is_never_left_unmeasured_whatever_the_timings(passes, block, warmup, explore_every):
+    """Invariants: the first blocks run overlap; any explore_every blocks in a row hold an overlap
+    block (its reads and compute are what the choice rests on); turns runs only while the last
+    measure says compute bound."""
     choice = ScheduleChoice(block=block, warmup=warmup, explore_every=explore_every)
     order = [choice.current]
-    for tokens, seconds in passes:
-        choice.observe(tokens, seconds)
+    for tokens, seconds, reads, compute in passes:
+        choice.observe(tokens, seconds, reads, compute)
         assert choice.current in SCHEDULES
         if choice._passes == 0:  # a block closed: the next block's schedule
             order.append(choice.current)
-    assert order[: 2 * warmup] == ([OVERLAP, TURNS] * warmup)[: len(order[: 2 * warmup])]
+            assert choice.current == OVERLAP or choice.compute_bound()
+    assert order[:warmup] == [OVERLAP] * len(order[:warmup])
     for i in range(len(order) - explore_every + 1):
-        assert set(order[i:i + explore_every]) == set(SCHEDULES)
+        assert OVERLAP in order[i:i + explore_every]
 
 
 def test_each_schedule_plans_with_its_own_costs():
