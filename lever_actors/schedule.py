@@ -17,16 +17,18 @@ is free: overlap. Once compute takes longer, every core is busy and the draft be
 slows it: turns. Blocks of passes run one schedule; taking turns, one block in every
 ``explore_every`` runs overlap again so that the measure follows the host.
 
-Measured on development prompts (HumanEval 0:8, 48 tokens; README):
-* AVX2 host, 768 MiB: compute 1.43x the reads; turns 1.02-1.16x overlap.
-* AVX2 host, 600 MiB: compute 1.12x the reads; turns 1.07-1.10x overlap.
-* Same host with reads capped at 1.5 GB/s: compute 0.64x the reads; overlap 1.14-1.19x turns.
+Measured (README, "This session"; `+no-auto-schedule` is overlap always, `+no-overlap` turns always):
+* AVX2 host, 768 MiB, held-out HumanEval 100:110: overlap passes compute 1.33x their reads;
+  lever took turns in 86% of its passes and ran 1.13x `+no-auto-schedule`.
+* AVX2 host, 600 MiB, HumanEval 100:105: compute 1.14x the reads; 83% turns, 1.12x.
+* The same host with reads capped at 1.5 GB/s (development prompts): compute 0.68x the reads;
+  no pass took turns, where `+no-overlap` ran 0.85x overlap.
 
 Tried first, and not kept: choosing by what each schedule reached, in blocks of three passes.
 A pass commits 1 to 10 tokens and takes 0.5-0.9 s depending on the prompt and its trees, about
 as much as the schedule moves it. Tokens per second, the planner's expected tokens, seconds per
 cycle, and the cycles of adjacent blocks of one sequence all took turns for 35-41% of the passes
-where overlap ran 1.14x faster. Each schedule's own cost model converged too slowly.
+where overlap ran 1.12-1.19x faster. Each schedule's own cost model converged too slowly.
 
 Pure logic, no trio: the driver reports each pass and asks which schedule the next one runs.
 """
