@@ -411,13 +411,19 @@ def test_sampled_tree_is_reproducible(tiny_bundles):
     assert a[0] == b[0] and a[1]["passes"] == b[1]["passes"]
 
 
-@pytest.mark.parametrize("draft_kind", ["perturbed", "exact", "unrelated"])
-def test_lever_planned_trees_are_lossless(tiny_bundles, unrelated_draft, ar_tokens, draft_kind):
+def run_lever(tiny_bundles, unrelated_draft, draft_kind: str, gamma: int):
+    """lever with its defaults on the tiny target and a draft of ``draft_kind``: (draft, prompt ids,
+    tokens, stats, pipeline)."""
     target = tiny_bundles[0]
     draft = {"perturbed": tiny_bundles[1], "exact": target, "unrelated": unrelated_draft}[draft_kind]
     ids = tokenizer(target).encode(PROMPT)
-    cfg = EngineConfig(mode="lever", gamma=24, context=CONTEXT, dram_budget=24 * 2**20)
-    toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
+    cfg = EngineConfig(mode="lever", gamma=gamma, context=CONTEXT, dram_budget=24 * 2**20)
+    return (draft, ids, *trio.run(generate, cfg, target, draft, ids))
+
+
+@pytest.mark.parametrize("draft_kind", ["perturbed", "exact", "unrelated"])
+def test_lever_planned_trees_are_lossless(tiny_bundles, unrelated_draft, ar_tokens, draft_kind):
+    _, _, toks, stats, pipe = run_lever(tiny_bundles, unrelated_draft, draft_kind, gamma=24)
     assert toks == ar_tokens
     assert stats["mean_tree_nodes"] is not None and 0 <= stats["mean_tree_nodes"] <= 24  # drafted nodes verified
     if draft_kind == "exact":  # every node is accepted: the planner learns that nodes pay
@@ -619,11 +625,7 @@ def test_lever_taking_turns_is_lossless_and_verifies_on_both_lanes_cores(tiny_bu
         return await verify(self, plan)
 
     monkeypatch.setattr(NpuVerifier, "verify", spy)
-    target = tiny_bundles[0]
-    draft = {"perturbed": tiny_bundles[1], "exact": target, "unrelated": unrelated_draft}[draft_kind]
-    ids = tokenizer(target).encode(PROMPT)
-    cfg = EngineConfig(mode="lever", gamma=12, context=CONTEXT, dram_budget=24 * 2**20)
-    toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
+    draft, ids, toks, stats, pipe = run_lever(tiny_bundles, unrelated_draft, draft_kind, gamma=12)
     assert toks == ar_tokens
     assert stats["passes"] >= 2 and stats["turns_passes"] == stats["passes"] // 2
     assert stats["schedule"]["blocks"]["turns"] == stats["turns_passes"]
