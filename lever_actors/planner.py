@@ -356,11 +356,12 @@ class LeverPolicy:
         depth = np.zeros(len(parents), int)
         for i in range(1, len(parents)):
             depth[i] = depth[parents[i]] + 1
-        path_p = path_probabilities(parents, self.conditional(depth, draft_probs, ngram))
         if not self.costs.ready:  # first pass: nothing measured yet, verify what was drafted
             keep = list(range(min(len(parents), max_nodes + 1)))
         else:
-            keep = plan_tree(parents, path_p, self.costs.cost, max_nodes + 1, self.max_depth)
+            cond = self.conditional(depth, draft_probs, ngram)
+            keep = plan_tree(parents, path_probabilities(parents, cond), self.costs.cost, max_nodes + 1,
+                             self.max_depth)
         self.last_size = len(keep) - 1
         return keep
 

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lever_actors.planner import ema
+
 OVERLAP, TURNS = "overlap", "turns"
 SCHEDULES = (OVERLAP, TURNS)
 
@@ -86,9 +88,8 @@ class ScheduleChoice:
             raise ValueError(f"a pass's tokens and seconds are >= 0, got {tokens}, {seconds}, {reads_s}, {compute_s}")
         self._passes += 1
         if self.current == OVERLAP:
-            a = self.alpha
-            self.reads_s = (reads_s or 0.0) if self.reads_s is None else (1 - a) * self.reads_s + a * (reads_s or 0.0)
-            self.compute_s = compute_s if self.compute_s is None else (1 - a) * self.compute_s + a * compute_s
+            self.reads_s = ema(self.reads_s, reads_s or 0.0, self.alpha)
+            self.compute_s = ema(self.compute_s, compute_s, self.alpha)
         self._block_tokens += tokens
         self._block_s += seconds
         if self._passes >= self.block:

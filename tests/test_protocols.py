@@ -283,6 +283,7 @@ INVALID = [
     ("plan.verify", {"bucket": 3}),
     ("plan.verify", {"tokens": i32([1, -2, 3, 4])}),
     ("plan.verify", {"exit_layers": (16, 8)}),
+    ("plan.verify", {"threads": -1}),
     ("plan.verify", {"tokens": i32([[1, 2, 3, 4]])}),
     ("plan.verify", {"tokens": i32([]), "parents": i32([]), "depths": i32([])}),
     ("verify.exit_hidden", {"node_ids": i32([0, 3, 3])}),

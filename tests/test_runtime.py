@@ -617,14 +617,21 @@ def test_lever_taking_turns_is_lossless_and_verifies_on_both_lanes_cores(tiny_bu
 
     monkeypatch.setattr(ScheduleChoice, "_next", lambda self: "turns" if self.current == "overlap" else "overlap")
     monkeypatch.setattr(driver, "ScheduleChoice", lambda: ScheduleChoice(block=1))
-    plans = []
-    verify = NpuVerifier.verify
+    plans, started = [], []  # every plan, and the kernel threads each decode pass's layers started on
+    verify, stages = NpuVerifier.verify, NpuVerifier._stages
 
     async def spy(self, plan):
         plans.append(plan)
         return await verify(self, plan)
 
+    async def stages_spy(self, *a, **k):
+        plan = a[5]
+        if not plan.prefill:
+            started.append(self.m.lane.threads)
+        return await stages(self, *a, **k)
+
     monkeypatch.setattr(NpuVerifier, "verify", spy)
+    monkeypatch.setattr(NpuVerifier, "_stages", stages_spy)
     draft, ids, toks, stats, pipe = run_lever(tiny_bundles, unrelated_draft, draft_kind, gamma=12)
     assert toks == ar_tokens
     assert stats["passes"] >= 2 and stats["turns_passes"] == stats["passes"] // 2
@@ -633,6 +640,7 @@ def test_lever_taking_turns_is_lossless_and_verifies_on_both_lanes_cores(tiny_bu
     assert stats["spec_hits"] + stats["spec_misses"] <= stats["passes"] - stats["turns_passes"] + 1
     both = pipe.target.lane.threads + pipe.drafter.threads
     assert [p.threads for p in plans if not p.prefill] == [0, both] * (stats["passes"] // 2) + [0] * (stats["passes"] % 2)
+    assert started == [p.threads or pipe.target.lane.threads for p in plans if not p.prefill]  # the verifier obeys
     assert set(pipe.lever.others) == {"overlap" if pipe.lever.schedule == "turns" else "turns"}
     d = pipe.drafter
     n = d.m.kv.length
