@@ -419,9 +419,11 @@ class Pipeline:
         return tree
 
     def _auto_schedule(self, g: Generation) -> bool:
-        """Whether lever chooses this generation's schedules by measurement (greedy only: a seeded
-        sampled run must draw the same trees every time, whatever the timings)."""
-        return self._planning(g) and self.cfg.overlap and self.cfg.auto_schedule
+        """Whether lever chooses this generation's schedules by measurement. Sampled runs too: their
+        trees follow a timing-free rule with draws seeded by (step, node), and a tree drafted ahead
+        under the outcome that held is the tree drafted after it, so a seeded run repeats whichever
+        schedules its passes ran (tests/test_runtime.py)."""
+        return self.cfg.mode == "lever" and self.cfg.overlap and self.cfg.auto_schedule
 
     def _choose_schedule(self, g: Generation) -> None:
         """Once this pass's tree is ready: the last pass's cycle ends, and this pass's schedule is chosen."""

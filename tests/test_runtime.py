@@ -649,6 +649,34 @@ def test_lever_taking_turns_is_lossless_and_verifies_on_both_lanes_cores(tiny_bu
     np.testing.assert_array_equal(d.m.kv.k[:, :, :n], ref.kv.k[:, :, :n])
 
 
+@pytest.mark.parametrize("draft_kind", ["perturbed", "unrelated"])
+def test_sampled_lever_draws_the_same_tokens_whichever_schedule_runs(tiny_bundles, unrelated_draft, draft_kind,
+                                                                     monkeypatch):
+    """Sampled lever chooses its schedule too: a tree drafted ahead under the outcome that held is the tree
+    drafted after the commit (the sampled rule is timing-free, draws are seeded by step and node), so a
+    seeded run draws the same tokens whether it always drafts ahead, always takes turns, or switches."""
+    from lever_actors import driver
+    from lever_actors.schedule import ScheduleChoice
+
+    target = tiny_bundles[0]
+    draft = {"perturbed": tiny_bundles[1], "unrelated": unrelated_draft}[draft_kind]
+    ids = tokenizer(target).encode(PROMPT)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+
+    def run(mode):
+        cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode(mode)
+        return trio.run(generate, cfg, target, draft, ids, params)
+
+    overlap, turns = run("lever:12+no-auto-schedule"), run("lever:12+no-overlap")
+    monkeypatch.setattr(ScheduleChoice, "_next", lambda self: "turns" if self.current == "overlap" else "overlap")
+    monkeypatch.setattr(driver, "ScheduleChoice", lambda: ScheduleChoice(block=1))
+    switching = run("lever:12")
+    assert overlap[0] == turns[0] == switching[0]
+    assert overlap[1]["spec_hits"] > 0 or draft_kind == "unrelated"  # trees drafted ahead were verified
+    assert overlap[1]["turns_passes"] == 0 and switching[1]["passes"] >= 2
+    assert switching[1]["turns_passes"] == switching[1]["passes"] // 2
+
+
 def test_lever_without_auto_schedule_always_drafts_ahead(tiny_bundles, ar_tokens):
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
