@@ -418,7 +418,7 @@ class Pipeline:
         self.lever.pace.observe_draft(exp.draft_s, expansion_depth(exp) + 1)  # + feeding the commit
         return tree
 
-    def _auto_schedule(self, g: Generation) -> bool:
+    def _auto_schedule(self) -> bool:
         """Whether lever chooses this generation's schedules by measurement. Sampled runs too: their
         trees follow a timing-free rule with draws seeded by (step, node), and a tree drafted ahead
         under the outcome that held is the tree drafted after it, so a seeded run repeats whichever
@@ -427,7 +427,7 @@ class Pipeline:
 
     def _choose_schedule(self, g: Generation) -> None:
         """Once this pass's tree is ready: the last pass's cycle ends, and this pass's schedule is chosen."""
-        if not self._auto_schedule(g):
+        if not self._auto_schedule():
             return
         self._end_cycle(g)
         g.cycle_start, g.schedule = time.perf_counter(), self.schedule.current
@@ -674,7 +674,7 @@ class Pipeline:
         d = g.stats.as_dict(self.tracer.busy("flash") - t_io0)
         # share of flash-read time hidden behind builds, layer compute or drafting
         d["overlap"] = self.tracer.overlap("flash", ("build", "npu", "cpu"), t_start)
-        if self._auto_schedule(g):
+        if self._auto_schedule():
             d["schedule"] = self.schedule.describe()
         d.update(self.verifier_stats())
         d["decode_s"] = time.perf_counter() - t_decode

@@ -411,14 +411,26 @@ def test_sampled_tree_is_reproducible(tiny_bundles):
     assert a[0] == b[0] and a[1]["passes"] == b[1]["passes"]
 
 
-def run_lever(tiny_bundles, unrelated_draft, draft_kind: str, gamma: int):
-    """lever with its defaults on the tiny target and a draft of ``draft_kind``: (draft, prompt ids,
-    tokens, stats, pipeline)."""
+def run_lever(tiny_bundles, unrelated_draft, draft_kind: str, gamma: int, flags: str = "",
+              params: SamplingParams = SamplingParams()):
+    """lever (its defaults, or with the mode ``flags`` such as '+no-overlap') on the tiny target and a
+    draft of ``draft_kind``: (draft, prompt ids, tokens, stats, pipeline)."""
     target = tiny_bundles[0]
     draft = {"perturbed": tiny_bundles[1], "exact": target, "unrelated": unrelated_draft}[draft_kind]
     ids = tokenizer(target).encode(PROMPT)
     cfg = EngineConfig(mode="lever", gamma=gamma, context=CONTEXT, dram_budget=24 * 2**20)
-    return (draft, ids, *trio.run(generate, cfg, target, draft, ids))
+    if flags:
+        cfg = cfg.with_mode(f"lever:{gamma}{flags}")
+    return (draft, ids, *trio.run(generate, cfg, target, draft, ids, params))
+
+
+def alternate_schedules(monkeypatch) -> None:
+    """lever's schedule switches every pass (overlap, turns, overlap, ...), whatever it measures."""
+    from lever_actors import driver
+    from lever_actors.schedule import ScheduleChoice
+
+    monkeypatch.setattr(ScheduleChoice, "_next", lambda self: "turns" if self.current == "overlap" else "overlap")
+    monkeypatch.setattr(driver, "ScheduleChoice", lambda: ScheduleChoice(block=1))
 
 
 @pytest.mark.parametrize("draft_kind", ["perturbed", "exact", "unrelated"])
@@ -609,14 +621,11 @@ def test_lever_taking_turns_is_lossless_and_verifies_on_both_lanes_cores(tiny_bu
     import numpy as np
 
     from actors.npu_verify import NpuVerifier
-    from lever_actors import driver
     from lever_actors.bundle import load_bundle
     from lever_actors.model import Transformer
     from lever_actors.ortrt import LaneConfig
-    from lever_actors.schedule import ScheduleChoice
 
-    monkeypatch.setattr(ScheduleChoice, "_next", lambda self: "turns" if self.current == "overlap" else "overlap")
-    monkeypatch.setattr(driver, "ScheduleChoice", lambda: ScheduleChoice(block=1))
+    alternate_schedules(monkeypatch)
     plans, started = [], []  # every plan, and the kernel threads each decode pass's layers started on
     verify, stages = NpuVerifier.verify, NpuVerifier._stages
 
@@ -655,22 +664,14 @@ def test_sampled_lever_draws_the_same_tokens_whichever_schedule_runs(tiny_bundle
     """Sampled lever chooses its schedule too: a tree drafted ahead under the outcome that held is the tree
     drafted after the commit (the sampled rule is timing-free, draws are seeded by step and node), so a
     seeded run draws the same tokens whether it always drafts ahead, always takes turns, or switches."""
-    from lever_actors import driver
-    from lever_actors.schedule import ScheduleChoice
-
-    target = tiny_bundles[0]
-    draft = {"perturbed": tiny_bundles[1], "unrelated": unrelated_draft}[draft_kind]
-    ids = tokenizer(target).encode(PROMPT)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
 
-    def run(mode):
-        cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode(mode)
-        return trio.run(generate, cfg, target, draft, ids, params)
+    def run(flags=""):  # (tokens, stats)
+        return run_lever(tiny_bundles, unrelated_draft, draft_kind, 12, flags, params)[2:4]
 
-    overlap, turns = run("lever:12+no-auto-schedule"), run("lever:12+no-overlap")
-    monkeypatch.setattr(ScheduleChoice, "_next", lambda self: "turns" if self.current == "overlap" else "overlap")
-    monkeypatch.setattr(driver, "ScheduleChoice", lambda: ScheduleChoice(block=1))
-    switching = run("lever:12")
+    overlap, turns = run("+no-auto-schedule"), run("+no-overlap")
+    alternate_schedules(monkeypatch)
+    switching = run()
     assert overlap[0] == turns[0] == switching[0]
     assert overlap[1]["spec_hits"] > 0 or draft_kind == "unrelated"  # trees drafted ahead were verified
     assert overlap[1]["turns_passes"] == 0 and switching[1]["passes"] >= 2
