@@ -12,17 +12,24 @@ from protocols import Commit, PassStats, VerifyDone
 
 def decide(done: VerifyDone) -> tuple[list[int], list[int]]:
     """(accepted node ids root first, committed tokens) for one verified tree. Pure."""
-    from lever_actors.sampling import SamplingParams, accept_greedy, accept_sampled, next_token, probs_from_logits
+    from lever_actors.sampling import (SamplingParams, accept_greedy, accept_sampled, coupled_scores, next_token,
+                                       probs_from_logits, tree_depths)
 
-    params = SamplingParams(done.temperature, done.top_p, done.seed)
+    params = SamplingParams(done.temperature, done.top_p, done.seed, done.coupled)
     if done.prefill:
-        tok = int(done.argmax[0]) if params.greedy else next_token(done.logits[0], params, done.step)
+        tok = int(done.argmax[0]) if params.greedy else next_token(done.logits[0], params, done.step, done.position + 1)
         return [], [tok]
+    tokens = done.tokens
     if params.greedy:
-        tokens = done.tokens
         if done.pruned is not None and len(done.node_ids) < len(tokens):
             tokens = np.where(np.isin(np.arange(len(tokens)), done.node_ids), tokens, -1)  # never matches
         return accept_greedy(done.parents, tokens, done.argmax)
+    if params.coupled:
+        # the target's draw after node i is its argmax under the noise of the position after it:
+        # greedy acceptance on those, computed only for the nodes the walk visits
+        depths = tree_depths(done.parents)
+        choice = _Lazy(lambda i: int(np.argmax(coupled_scores(done.logits[i], params, done.position + depths[i] + 1))))
+        return accept_greedy(done.parents, tokens, choice)
     n = len(done.tokens)
     # a distribution is a float64 row of the vocabulary: only the nodes the walk visits get one
     target = _Lazy(lambda i: probs_from_logits(done.logits[i], params))

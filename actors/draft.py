@@ -258,9 +258,13 @@ class Drafter:
         else:
             self.root_hidden = self._feed(new[len(keep):])
 
-    def _assume(self, hypotheses) -> list[int]:
+    def _assume(self, hypotheses, req: DraftRequest) -> list[int]:
         """Scratch nodes of each hypothesis's assumed next root: its path, then the draft's
-        ``rank``-th best token after the path outside ``excluded`` (two batched draft calls at most)."""
+        ``rank``-th best token after the path outside ``excluded`` (two batched draft calls at most;
+        coupled sampling ranks by the scores under the noise of that token's position)."""
+        from lever_actors.sampling import SamplingParams, coupled_scores
+
+        params = SamplingParams(req.temperature, req.top_p, req.seed, req.coupled)
         ends, live_roots = [], 0  # the roots of the hypotheses assumed so far are planted below
         for path, *_ in hypotheses:
             missing, node = 1, -1  # its root, and the path nodes not in the tree yet
@@ -281,7 +285,9 @@ class Drafter:
         if live:
             logits = self.head.logits(np.stack([self.root_hidden if ends[h] < 0 else self.tree.hid[ends[h]] for h in live]))
             for h, row in zip(live, logits):
-                _, excluded, _, _, rank = hypotheses[h]
+                path, excluded, _, _, rank = hypotheses[h]
+                if not params.greedy and params.coupled:
+                    row = coupled_scores(row, params, req.position + len(path) + 1, self.head.ids, self.m.vocab)
                 if excluded:
                     row = row.copy()
                     row[self._columns_of(excluded)] = -np.inf
@@ -344,7 +350,7 @@ class Drafter:
             raise RuntimeError("draft request commits nothing new: the root must be newly committed")
         if req.hypotheses:
             hyps = list(req.hypotheses)
-            roots = self._assume(hyps)  # None: no room left to assume it (it gets an empty answer)
+            roots = self._assume(hyps, req)  # None: no room left to assume it (it gets an empty answer)
             growths = [(-1, 0, 0) if r is None else (r, mn, md) for r, (_, _, mn, md, _) in zip(roots, hyps)]
             assumed = [() if r is None else tuple(h[0]) + (self.tree.tok[r],) for r, h in zip(roots, hyps)]
         else:
@@ -370,7 +376,8 @@ class Drafter:
             free -= max_nodes
             trees.append(self._tree(root, req.root_token if root < 0 else self.tree.tok[root], outcome,
                                     req.position + len(outcome), max_nodes, max_depth))
-        return {"trees": trees, "params": SamplingParams(req.temperature, req.top_p, req.seed), "top_k": req.top_k,
+        return {"trees": trees, "params": SamplingParams(req.temperature, req.top_p, req.seed, req.coupled),
+                "top_k": req.top_k,
                 "min_path_p": req.min_path_p, "step": req.step, "draft_s": 0.0}
 
     @staticmethod
@@ -423,10 +430,11 @@ class Drafter:
             for h, t in active:
                 cands, parent_p = [], {}
                 for node in t["frontier"]:
-                    p = self._distribution(logits[r], params)  # over the head's columns
+                    # over the head's columns; the children's position is the frontier's plus one
+                    p = self._distribution(logits[r], params, t["position"] + t["depth"] + 1)
                     r += 1
                     key = node + (h << 20)  # hypothesis 0 keeps the random streams of a single tree
-                    if params.greedy:  # one top-k selection serves the children and the pruner's rivals
+                    if params.argmax_like:  # one top-k selection serves the children and the pruner's rivals
                         top = self._children(p, min(max(ALTERNATIVES, g["top_k"]), len(p)), params, g["step"], key)
                         children = top[:g["top_k"]]
                         t["alts"][node] = self._tokens(top[:ALTERNATIVES])
@@ -439,7 +447,7 @@ class Drafter:
                 # a level holds at most max_nodes/max_depth nodes, so the budget buys depth
                 room = min(t["max_nodes"] - len(t["tokens"]), -(-t["max_nodes"] // t["max_depth"]))
                 level = []
-                for pp, parent, tok, q in keep_level(cands, room, params.greedy, parent_p):
+                for pp, parent, tok, q in keep_level(cands, room, params.argmax_like, parent_p):
                     t["parents"].append(parent)
                     t["tokens"].append(tok)
                     t["probs"].append(q)
@@ -503,22 +511,25 @@ class Drafter:
         full[self.head.ids] = p
         return full
 
-    @staticmethod
-    def _distribution(logits: np.ndarray, params) -> np.ndarray:
-        from lever_actors.sampling import probs_from_logits
+    def _distribution(self, logits: np.ndarray, params, position: int) -> np.ndarray:
+        """The draft's distribution over the head's columns for the token at ``position``. Coupled
+        sampling: the softmax of its scores under that position's noise, whose top tokens are the
+        children and whose values the planner weighs, as the greedy draft's probabilities."""
+        from lever_actors.sampling import coupled_scores, probs_from_logits
 
-        if params.greedy:
-            z = logits.astype(np.float64)
+        if params.greedy or params.coupled:
+            z = logits.astype(np.float64) if params.greedy else coupled_scores(logits, params, position, self.head.ids, self.m.vocab)
             p = np.exp(z - z.max())
             return p / p.sum()
         return probs_from_logits(logits, params)
 
     @staticmethod
     def _children(p: np.ndarray, k: int, params, step: int, node: int) -> list[int]:
-        """Greedy: the top-k tokens. Sampling: k tokens drawn without replacement from p."""
+        """Greedy and coupled sampling: the top-k tokens. Rejection sampling: k tokens drawn without
+        replacement from p."""
         from lever_actors.sampling import rng_for
 
-        if params.greedy:
+        if params.argmax_like:
             top = np.argpartition(-p, min(k, len(p) - 1))[:k]
             return [int(t) for t in top[np.argsort(-p[top], kind="stable")]]
         rng = rng_for(params.seed ^ 0x5EED, step, node + 1)

@@ -287,6 +287,7 @@ class NpuVerifier:
             logits=scores.logits,
             draft_dists=plan.draft_dists, bytes_read=bytes_read, prefill=plan.prefill,
             temperature=plan.temperature, top_p=plan.top_p, seed=plan.seed, cache_n=cache_n,
+            coupled=plan.coupled, position=plan.position + (int(plan.depths[-1]) if plan.prefill else 0),
         )
 
     async def _next_session(self, stage: int, first: bool):

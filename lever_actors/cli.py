@@ -87,6 +87,10 @@ ABLATIONS = (
     ("level-deadline", "lever's drafts ahead draw no level (after their first) that would end after the pass "
                        "they are drafted beside is expected to commit: a level still running at the commit "
                        "delays the next pass (measured: 0.98-1.01x, so off by default)"),
+    ("no-coupled", "sampled runs (--temperature > 0) accept drafted tokens by speculative rejection sampling, "
+                   "not by coupled sampling (each position's token is the argmax of log-probabilities plus "
+                   "Gumbel noise of the seed and the position, the draft proposing under the same noise, so a "
+                   "seed gives the same tokens in every mode and lever plans sampled trees as greedy ones)"),
 )
 
 
@@ -95,7 +99,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +no-auto-schedule / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
-                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline (default "
+                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline / +no-coupled (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",

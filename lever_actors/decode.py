@@ -47,7 +47,7 @@ def decode_resident(model: Transformer, prompt_ids: list[int], max_tokens: int, 
     gen = Result(list(prompt_ids))
     t0 = time.perf_counter()
     h = model.prefill(prompt_ids)
-    tok = next_token(model.logits(h)[0], params, 0)
+    tok = next_token(model.logits(h)[0], params, 0, len(prompt_ids))
     gen.prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     while True:
@@ -61,6 +61,6 @@ def decode_resident(model: Transformer, prompt_ids: list[int], max_tokens: int, 
         p = model.kv.length
         h = model.forward_resident([tok], np.array([p]), np.array([p]), causal_layout(model.context, p, 1))
         model.kv.commit([p])
-        tok = next_token(model.logits(h)[0], params, len(gen.token_ids))
+        tok = next_token(model.logits(h)[0], params, len(gen.token_ids), len(prompt_ids) + len(gen.token_ids))
     gen.decode_s = time.perf_counter() - t0
     return gen

@@ -15,7 +15,7 @@ statistics in :class:`RunStats`; this module only sequences messages.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import trio
@@ -25,7 +25,7 @@ from lever_actors.decode import check_context
 from lever_actors.memory import release_memory
 from lever_actors.ngram import merge_branch, prompt_lookup
 from lever_actors.planner import NGRAM_PRIOR, LeverPolicy, bucket_for
-from lever_actors.sampling import SamplingParams
+from lever_actors.sampling import SamplingParams, tree_depths
 from lever_actors.schedule import OVERLAP, TURNS, ScheduleChoice
 from lever_actors.speculation import CrossStep, outcome_hypotheses
 from protocols import Abort, DraftRequest, DraftSteer, VerifyPlan
@@ -164,10 +164,7 @@ class Tree:
         return Tree(drafted, parents, probs, self.dists, alts, self.draft_s, self.ahead, ngram)
 
     def depths(self) -> np.ndarray:
-        d = np.zeros(len(self.parents), np.int32)
-        for i in range(1, len(self.parents)):
-            d[i] = d[self.parents[i]] + 1
-        return d
+        return tree_depths(self.parents)
 
 
 EMPTY_TREE = Tree([], [-1], np.zeros(0, np.float32))
@@ -215,7 +212,7 @@ class Generation:
     @property
     def sampling(self) -> dict:
         p = self.params
-        return {"temperature": p.temperature, "top_p": p.top_p, "seed": p.seed}
+        return {"temperature": p.temperature, "top_p": p.top_p, "seed": p.seed, "coupled": p.coupled}
 
     @property
     def position(self) -> int:
@@ -349,6 +346,7 @@ class Pipeline:
         top_k, max_depth = tree_shape(cfg.mode, gamma)
         check_context(len(prompt_ids), max_tokens, self.target.context, slack=bucket_for(gamma + 1, cfg.buckets))
         self.session_id += 1
+        params = replace(params, coupled=cfg.coupled)  # the mode's sampler (+no-coupled: rejection sampling)
         g = Generation(self.session_id, list(prompt_ids), max_tokens, params, gamma, top_k, max_depth, gamma)
         g.spec.unseen = list(prompt_ids)
         return g
@@ -419,10 +417,11 @@ class Pipeline:
         return tree
 
     def _auto_schedule(self) -> bool:
-        """Whether lever chooses this generation's schedules by measurement. Sampled runs too: their
-        trees follow a timing-free rule with draws seeded by (step, node), and a tree drafted ahead
-        under the outcome that held is the tree drafted after it, so a seeded run repeats whichever
-        schedules its passes ran (tests/test_runtime.py)."""
+        """Whether lever chooses this generation's schedules by measurement. Sampled runs too: coupled
+        sampling commits the same tokens whatever the trees; rejection sampling's trees follow a
+        timing-free rule with draws seeded by (step, node), and a tree drafted ahead under the
+        outcome that held is the tree drafted after it, so a seeded run repeats whichever schedules
+        its passes ran (tests/test_runtime.py)."""
         return self.cfg.mode == "lever" and self.cfg.overlap and self.cfg.auto_schedule
 
     def _choose_schedule(self, g: Generation) -> None:
@@ -460,13 +459,14 @@ class Pipeline:
         return {"max_nodes": min(g.draft_cap, width * depth), "max_depth": depth, "min_path_p": min_p, **borrow}
 
     def _sampled_rule(self, g: Generation) -> bool:
-        """Whether this generation's trees follow the sampled tree rule (sampled lever)."""
-        return self.cfg.mode == "lever" and self.cfg.adaptive_depth and not g.params.greedy
+        """Whether this generation's trees follow the sampled tree rule (lever sampling by rejection)."""
+        return self.cfg.mode == "lever" and self.cfg.adaptive_depth and not g.params.argmax_like
 
     def _planning(self, g: Generation) -> bool:
-        # sampled trees are verified whole: choosing siblings by the tokens drawn would bias
-        # speculative sampling
-        return self.cfg.mode == "lever" and g.params.greedy and not self.cfg.fixed_tree
+        # trees sampled for rejection sampling are verified whole: choosing siblings by the tokens
+        # drawn would bias it. Coupled sampling is planned as greedy is (its trees are the draft's
+        # top tokens under the noise, and the target's draw is its argmax under the same noise)
+        return self.cfg.mode == "lever" and g.params.argmax_like and not self.cfg.fixed_tree
 
     def _plan(self, g: Generation, tree: Tree) -> Tree:
         """lever: the subtree with the most expected tokens per second of pass time."""
@@ -497,8 +497,8 @@ class Pipeline:
             threads=self.target.lane.threads + self.drafter.threads if g.schedule == TURNS else 0)
 
     def _until_commit(self, g: Generation) -> bool:
-        """lever drafts ahead as long as the pass lasts (greedy: a timing-dependent tree shape would
-        make seeded sampled runs irreproducible)."""
+        """lever drafts ahead as long as the pass lasts (greedy or coupled sampling: a timing-dependent
+        tree shape would make seeded runs that sample by rejection irreproducible)."""
         return self._planning(g) and self.cfg.draft_until_commit
 
     async def _draft_ahead(self, g: Generation, tree: Tree) -> bool:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from lever_actors.decode import Result  # noqa: F401 - re-exported for callers
@@ -65,10 +65,11 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # acceptance); and the opt-ins that did not pay (README): the draft's runner-up token after the main path as
 # one more outcome, drafting from the early exit's predicted outcome, drafting ahead until the pass
 # commits, the drafts ahead cut at a node's marginal cost to a pass bound by its reads (not its whole
-# compute), and no level drafted ahead that would outlast the pass
+# compute), and no level drafted ahead that would outlast the pass; and any sampled mode sampling by
+# speculative rejection, not coupled by Gumbel noise by position
 MODE_FLAGS = ("no-overlap", "no-auto-schedule", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
               "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
-              "no-core-lend", "no-calibrated-ahead", "marginal-depth", "level-deadline")
+              "no-core-lend", "no-calibrated-ahead", "marginal-depth", "level-deadline", "no-coupled")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -137,11 +138,10 @@ class EngineConfig:
     level_deadline: bool = False  # lever: drafts ahead draw no level that would outlast the pass (no gain)
     marginal_depth: bool = False  # lever: drafts ahead cut at a node's marginal cost (no steady gain)
     calibrated_ahead: bool = True  # lever: drafts ahead also stop where the calibrated acceptance says a level no longer pays
+    coupled: bool = True  # sampling: Gumbel noise by position (sampling.py), not rejection sampling
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
-        from dataclasses import replace
-
         name, gamma = parse_mode(text, gamma)
         _, flags = parse_mode_flags(text)
         budget, source = self.dram_budget, self.budget_source
@@ -163,6 +163,7 @@ class EngineConfig:
                        marginal_depth=self.marginal_depth or "marginal-depth" in flags,
                        calibrated_ahead=self.calibrated_ahead and "no-calibrated-ahead" not in flags,
                        level_deadline=self.level_deadline or "level-deadline" in flags,
+                       coupled=self.coupled and "no-coupled" not in flags,
                        budget_source=source)
 
     @classmethod
@@ -198,6 +199,7 @@ class EngineConfig:
             runner_up=getattr(args, "runner_up", False), marginal_depth=getattr(args, "marginal_depth", False),
             level_deadline=getattr(args, "level_deadline", False),
             calibrated_ahead=not getattr(args, "no_calibrated_ahead", False),
+            coupled=not getattr(args, "no_coupled", False),
             prompt_cache=_prompt_cache(getattr(args, "prompt_cache", None)),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
@@ -237,6 +239,8 @@ class EngineConfig:
             text += "+no-calibrated-ahead"
         if self.mode == "lever" and self.overlap and self.level_deadline:
             text += "+level-deadline"
+        if not self.coupled:
+            text += "+no-coupled"
         return text
 
     @property
@@ -278,7 +282,7 @@ def generate_once(cfg: EngineConfig, prompt: str, args, on_text: Callable[[str],
     """Load what the mode needs, generate once, stream text through ``on_text``."""
     from lever_actors.models import resolve_bundle
 
-    params = sampling_from_args(args)
+    params = replace(sampling_from_args(args), coupled=cfg.coupled)
     t0 = time.perf_counter()
     role = cfg.model if cfg.mode == "resident-ar" else "target"
     tbundle = resolve_bundle(cfg.target if role == "target" else cfg.draft, role)

@@ -1,11 +1,18 @@
 """Sampling and speculative acceptance: pure functions over small numpy arrays.
 
-Randomness never depends on scheduling: every random decision draws from a
-generator derived from ``(seed, step, node)`` (see :func:`rng_for`), so a run is
-reproducible however the actors interleave.
+Randomness never depends on scheduling. Coupled sampling (the default) draws the
+token at sequence position ``i`` as ``argmax(log p_i + g_i)``, with Gumbel noise
+``g_i`` that depends on ``(seed, i)`` alone (:func:`gumbel_noise`): the Gumbel-max
+trick, an exact draw from ``p_i``. A seeded run is then one sequence whatever drafts,
+trees and schedules produced it, the same as the target sampling alone, and the
+draft proposes ``argmax(log q_i + g_i)`` under the same noise: sampled speculation
+becomes greedy speculation on perturbed scores. The other sampler (speculative
+rejection sampling, ``+no-coupled``) draws from generators derived from
+``(seed, step, node)`` (see :func:`rng_for`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +23,9 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
+    # coupled sampling (Gumbel noise by position, see the module's docstring); False: speculative
+    # rejection sampling with draws by (step, node)
+    coupled: bool = True
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -27,9 +37,42 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def argmax_like(self) -> bool:
+        """Whether the target's token after a node is a function of the node alone (greedy, or
+        coupled sampling), so speculation is accepted as greedy speculation is."""
+        return self.greedy or self.coupled
+
 
 def rng_for(seed: int, step: int, node: int = 0) -> np.random.Generator:
     return np.random.default_rng([seed & 0xFFFFFFFF, step, node])
+
+
+COUPLED_STREAM = 0x6E0153  # keeps the noise's generators apart from rng_for's
+
+
+@functools.lru_cache(maxsize=8)  # the drafter and the acceptor ask for the same few positions (0.6 MB each)
+def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
+    """Standard Gumbel noise for the token at sequence ``position``: float32 ``[vocab]``, read-only,
+    a pure function of ``(seed, position)`` (id ``v``'s value does not depend on ``vocab`` beyond ``v``)."""
+    u = np.random.default_rng([seed & 0xFFFFFFFF, position, COUPLED_STREAM]).random(vocab, dtype=np.float32)
+    np.maximum(u, np.float32(2.0 ** -25), out=u)  # [0, 1) -> (0, 1): every id finite noise
+    g = -np.log(-np.log(u))
+    g.flags.writeable = False
+    return g
+
+
+def coupled_scores(logits: np.ndarray, params: SamplingParams, position: int,
+                   ids: np.ndarray | None = None, vocab: int = 0) -> np.ndarray:
+    """``log p + g`` up to a constant, float64, for the token at sequence ``position``: ``p`` is
+    :func:`probs_from_logits` (ids outside the top-p nucleus score -inf), ``g`` the position's
+    noise. ``logits`` may cover only the vocabulary ids ``ids`` (a draft's subset head) of a
+    vocabulary of ``vocab``."""
+    z = logits.astype(np.float64) / params.temperature
+    if params.top_p < 1.0:
+        z = np.where(probs_from_logits(logits, params) > 0, z, -np.inf)
+    g = gumbel_noise(params.seed, position, len(logits) if ids is None else vocab)
+    return z + (g if ids is None else g[np.asarray(ids)])
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -52,9 +95,12 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"), len(p) - 1))
 
 
-def next_token(logits: np.ndarray, params: SamplingParams, step: int) -> int:
+def next_token(logits: np.ndarray, params: SamplingParams, step: int, position: int) -> int:
+    """The target's token at sequence ``position`` (the ``step``-th drawn by the rejection sampler)."""
     if params.greedy:
         return int(np.argmax(logits))
+    if params.coupled:
+        return int(np.argmax(coupled_scores(logits, params, position)))
     return sample(probs_from_logits(logits, params), rng_for(params.seed, step))
 
 
@@ -65,6 +111,14 @@ def children_of(parents: np.ndarray) -> dict[int, list[int]]:
         if p >= 0:
             children.setdefault(int(p), []).append(i)
     return children
+
+
+def tree_depths(parents: np.ndarray) -> np.ndarray:
+    """Each node's depth below node 0 (int32; parents point to smaller ids)."""
+    depths = np.zeros(len(parents), np.int32)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return depths
 
 
 def accept_greedy(parents: np.ndarray, tokens: np.ndarray, target_argmax: np.ndarray) -> tuple[list[int], list[int]]:

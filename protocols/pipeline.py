@@ -145,7 +145,7 @@ class LayerReleased(PipelineMessage):
 class DraftRequest(PipelineMessage):
     """-> Drafter: grow a candidate tree below ``root_token`` at sequence ``position``."""
     KIND: ClassVar[str] = "draft.request"
-    VERSION: ClassVar[int] = 9
+    VERSION: ClassVar[int] = 10
     root_token: int
     position: int        # sequence position of root_token
     max_nodes: int
@@ -197,6 +197,10 @@ class DraftRequest(PipelineMessage):
     # drafted beside is expected to commit then, and a level still being drafted at the commit
     # delays the next pass (after a miss, the next draft waits behind it)
     deadline_s: float = 0.0
+    # v10: coupled sampling (sampled requests): every level's children are the draft's top tokens
+    # under the Gumbel noise of their sequence position (lever_actors/sampling.py), as if greedy;
+    # False: drawn from the draft's distribution for speculative rejection sampling (v9's only way)
+    coupled: bool = True
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -236,6 +240,11 @@ class DraftRequest(PipelineMessage):
     @staticmethod
     def upgrade_from_8(body: dict) -> dict:
         return body  # v9 only adds a field with a default
+
+    @staticmethod
+    def upgrade_from_9(body: dict) -> dict:
+        body.setdefault("coupled", False)  # v9 sampled by rejection
+        return body
 
     def _check(self) -> None:
         _non_negative(self, "root_token", "position", "max_nodes", "max_depth", "threads", "levels")
@@ -377,7 +386,7 @@ class VerifyPlan(PipelineMessage):
     the n nodes to ``bucket`` tokens and stops at ``exit_layers`` to let the pruner score.
     """
     KIND: ClassVar[str] = "plan.verify"
-    VERSION: ClassVar[int] = 5
+    VERSION: ClassVar[int] = 6
     position: int
     tokens: np.ndarray   # int32 [n]
     parents: np.ndarray  # int32 [n]
@@ -404,6 +413,9 @@ class VerifyPlan(PipelineMessage):
     # v5: kernel threads of this pass; 0 = the verifier's own. A pass with no drafting beside it
     # (lever taking turns with its drafter) runs on the drafting lane's cores too
     threads: int = 0
+    # v6: coupled sampling (see DraftRequest v10): the acceptor takes the target's argmax under the
+    # Gumbel noise of each node's next position; False: speculative rejection sampling
+    coupled: bool = True
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -420,6 +432,11 @@ class VerifyPlan(PipelineMessage):
     @staticmethod
     def upgrade_from_4(body: dict) -> dict:
         return body  # v5 only adds a field with a default
+
+    @staticmethod
+    def upgrade_from_5(body: dict) -> dict:
+        body.setdefault("coupled", False)  # v5 sampled by rejection
+        return body
 
     def _check(self) -> None:
         _non_negative(self, "position")
@@ -493,7 +510,7 @@ class PruneMask(PipelineMessage):
 class VerifyDone(PipelineMessage):
     """NpuVerifier -> Acceptor: last-layer hidden states of ``node_ids`` behind ``handle``."""
     KIND: ClassVar[str] = "verify.done"
-    VERSION: ClassVar[int] = 5
+    VERSION: ClassVar[int] = 6
     node_ids: np.ndarray  # int32 [m], strictly increasing
     handle: int
     compute_s: float
@@ -520,6 +537,10 @@ class VerifyDone(PipelineMessage):
     # else of the message is meaningful then
     fault: str = ""
     fault_retryable: bool = False
+    # v6: coupled sampling (VerifyPlan v6), and the sequence position of node 0 (a prefill's: of
+    # its last row), so that node i's next token is at position + depth(i) + 1
+    coupled: bool = True
+    position: int = 0
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -536,6 +557,11 @@ class VerifyDone(PipelineMessage):
     @staticmethod
     def upgrade_from_4(body: dict) -> dict:
         return body  # v5 only adds fields with defaults
+
+    @staticmethod
+    def upgrade_from_5(body: dict) -> dict:
+        body.setdefault("coupled", False)  # v5 sampled by rejection
+        return body
 
     def _check(self) -> None:
         _non_negative(self, "handle", "cache_n")

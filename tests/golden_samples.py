@@ -42,7 +42,8 @@ _SAMPLE_LIST: list[Message] = [
     DraftRequest(**_HEADER, root_token=151_643, position=128, max_nodes=32, max_depth=6, top_k=4,
                  committed=(262, 151_643), reset=False, temperature=0.75, top_p=0.875, seed=11,
                  min_path_p=0.375, threads=2, reuse_prefix=True, confirmed_hypothesis=1, levels=2,
-                 hypotheses=(((198, 220), (), 16, 8, 0), ((198,), (220, 262), 6, 6, 0), ((198, 220), (), 4, 4, 1)), deadline_s=1234.5),
+                 hypotheses=(((198, 220), (), 16, 8, 0), ((198,), (220, 262), 6, 6, 0), ((198, 220), (), 4, 4, 1)), deadline_s=1234.5,
+                 coupled=False),
     DraftExpansion(
         **_HEADER, root_token=151_643, position=128,
         parents=_i32(-1, -1, 0, 0, 2), tokens=_i32(198, 220, 262, 1_000, 151_645),
@@ -64,7 +65,7 @@ _SAMPLE_LIST: list[Message] = [
     VerifyDone(**_HEADER, node_ids=_i32(0, 1, 3), handle=12, compute_s=0.0625, io_wait_s=0.003,
                tokens=_i32(151_643, 198, 220, 262), parents=_i32(-1, 0, 0, 1), argmax=_i32(198, 262, -1, 13),
                logits=np.array([[1.5, -2.0], [0.25, 0.0], [3.0, 1.0]], dtype=np.float32), bytes_read=30_015_488,
-               temperature=0.5, top_p=0.9375, seed=3, pruned=_i32(2), cache_n=17),
+               temperature=0.5, top_p=0.9375, seed=3, pruned=_i32(2), cache_n=17, coupled=False, position=128),
     Commit(**_HEADER, tokens=(198, 262, 13), accepted_nodes=(0, 1, 3), finished=True,
            finish_reason="stop"),
     PassStats(**_HEADER, n_nodes=4, n_accepted=2, n_pruned=1, io_s=0.71, compute_s=0.18,

@@ -223,6 +223,17 @@ def test_every_golden_file_still_decodes():
         assert type(decode(path.read_bytes())) is REGISTRY[match[1]]
 
 
+def test_messages_from_before_coupled_sampling_still_sample_by_rejection():
+    """Coupled sampling is a default only for messages that know it: an older sampled request
+    keeps the rejection sampling its sender meant."""
+    for kind, version in (("draft.request", 9), ("plan.verify", 5), ("verify.done", 5)):
+        old = decode((GOLDEN_DIR / f"{kind}.v{version}.msgpack").read_bytes())
+        assert old.coupled is False and old.temperature > 0, kind
+        assert REGISTRY[kind].VERSION > version
+    assert DraftRequest(session_id=1, step=0, epoch=0, root_token=1, position=0, max_nodes=1, max_depth=1,
+                        top_k=1).coupled is True
+
+
 # ---------------------------------------------------------------- class shape
 
 @pytest.mark.parametrize("kind", sorted(REGISTRY))

@@ -210,9 +210,10 @@ def test_steered_drafting_changes_no_token(tiny_bundles, unrelated_draft, ar_tok
     # (whether a prediction still finds its request drafting is timing: the drafter's tests plant trees)
 
 
-def test_sampled_lever_is_never_steered(tiny_bundles, monkeypatch):
-    """Steers make tree shapes depend on timing, so a seeded sampled run would not repeat: sampled lever
-    sends none (no prediction, no commit cut), and draws the same output either way."""
+def test_lever_sampling_by_rejection_is_never_steered(tiny_bundles, monkeypatch):
+    """Steers make tree shapes depend on timing, so a seeded run sampling by rejection would not repeat:
+    lever sends none then (no prediction, no commit cut), and draws the same output either way.
+    (Coupled sampling commits the same tokens whatever the trees: it may steer.)"""
     import actors.prune
     import lever_actors.driver
     from protocols import DraftRequest, DraftSteer
@@ -223,7 +224,7 @@ def test_sampled_lever_is_never_steered(tiny_bundles, monkeypatch):
     ids = tokenizer(target).encode(PROMPT)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=3)
     out = []
-    for mode in ("lever:16", "lever:16+exit-predict+runner-up"):
+    for mode in ("lever:16+no-coupled", "lever:16+exit-predict+runner-up+no-coupled"):
         cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode(mode)
         toks, stats, _ = trio.run(generate, cfg, target, draft, ids, params)
         assert stats.get("exit_predicted", 0) == 0 and stats["exit_applied"] == 0
@@ -659,15 +660,16 @@ def test_lever_taking_turns_is_lossless_and_verifies_on_both_lanes_cores(tiny_bu
 
 
 @pytest.mark.parametrize("draft_kind", ["perturbed", "unrelated"])
-def test_sampled_lever_draws_the_same_tokens_whichever_schedule_runs(tiny_bundles, unrelated_draft, draft_kind,
+def test_lever_sampling_by_rejection_draws_the_same_tokens_whichever_schedule_runs(tiny_bundles, unrelated_draft, draft_kind,
                                                                      monkeypatch):
-    """Sampled lever chooses its schedule too: a tree drafted ahead under the outcome that held is the tree
-    drafted after the commit (the sampled rule is timing-free, draws are seeded by step and node), so a
-    seeded run draws the same tokens whether it always drafts ahead, always takes turns, or switches."""
+    """Lever sampling by rejection chooses its schedule too: a tree drafted ahead under the outcome that
+    held is the tree drafted after the commit (the sampled rule is timing-free, draws are seeded by step
+    and node), so a seeded run draws the same tokens whether it always drafts ahead, always takes turns,
+    or switches. (Coupled sampling: test_coupled_sampling_commits_the_tokens_the_target_draws_alone...)"""
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
 
     def run(flags=""):  # (tokens, stats)
-        return run_lever(tiny_bundles, unrelated_draft, draft_kind, 12, flags, params)[2:4]
+        return run_lever(tiny_bundles, unrelated_draft, draft_kind, 12, flags + "+no-coupled", params)[2:4]
 
     overlap, turns = run("+no-auto-schedule"), run("+no-overlap")
     alternate_schedules(monkeypatch)
@@ -676,6 +678,33 @@ def test_sampled_lever_draws_the_same_tokens_whichever_schedule_runs(tiny_bundle
     assert overlap[1]["spec_hits"] > 0 or draft_kind == "unrelated"  # trees drafted ahead were verified
     assert overlap[1]["turns_passes"] == 0 and switching[1]["passes"] >= 2
     assert switching[1]["turns_passes"] == switching[1]["passes"] // 2
+
+
+@pytest.mark.parametrize("draft_kind", ["perturbed", "exact", "unrelated"])
+def test_coupled_sampling_commits_the_tokens_the_target_draws_alone_in_every_mode(tiny_bundles, unrelated_draft,
+                                                                                   draft_kind, monkeypatch):
+    """Sampled runs sample coupled by default: every mode, every schedule and every tree commit the
+    tokens resident-ar draws with the same seed, token for token; and a draft that is the target,
+    drafting under the same noise, has every token of its chains accepted."""
+    target = tiny_bundles[0]
+    draft = {"perturbed": tiny_bundles[1], "exact": target, "unrelated": unrelated_draft}[draft_kind]
+    ids = tokenizer(target).encode(PROMPT)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    ref = trio.run(generate, EngineConfig(mode="resident-ar", context=CONTEXT), target, None, ids, params)[0]
+    assert ref != trio.run(generate, EngineConfig(mode="resident-ar", context=CONTEXT), target, None, ids,
+                           SamplingParams(temperature=0.8, top_p=0.95, seed=6))[0]
+    base = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20)
+    for mode in ("flash-ar", "flash-chain:4", "flash-chain:4+no-overlap", "flash-tree:10", "lever:12",
+                 "lever:12+no-overlap", "lever:12+no-auto-schedule", "lever:12+fixed-tree"):
+        toks, stats, _ = trio.run(generate, base.with_mode(mode), target, draft, ids, params)
+        assert toks == ref, mode
+        if draft_kind == "exact" and mode.startswith("flash-chain"):
+            assert stats["draft_n_accepted"] == stats["draft_n"] > 0, mode
+    alternate_schedules(monkeypatch)
+    toks, stats = run_lever(tiny_bundles, unrelated_draft, draft_kind, 12, "", params)[2:4]
+    assert toks == ref and stats["turns_passes"] == stats["passes"] // 2
+    # rejection sampling draws another sequence (valid too: tests/test_sampling.py)
+    assert trio.run(generate, base.with_mode("lever:12+no-coupled"), target, draft, ids, params)[0] != ref
 
 
 def test_lever_without_auto_schedule_always_drafts_ahead(tiny_bundles, ar_tokens):

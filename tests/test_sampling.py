@@ -168,6 +168,77 @@ def test_the_acceptor_computes_each_target_distribution_only_where_the_walk_look
     done = VerifyDone(session_id=1, step=step, epoch=0, node_ids=np.arange(n, dtype=np.int32), handle=0,
                       compute_s=0.0, io_wait_s=0.0, tokens=tokens.astype(np.int32), parents=parents.astype(np.int32),
                       argmax=np.zeros(n, np.int32), logits=logits, draft_dists=dists, temperature=0.8, top_p=0.9,
-                      seed=seed)
+                      seed=seed, coupled=False)
     eager = accept_sampled(parents, tokens, list(dists), [probs_from_logits(row, params) for row in logits], seed, step)
     assert decide(done) == eager
+
+
+# ---------------------------------------------------------------- coupled sampling (Gumbel noise by position)
+
+def _coupled(temperature=0.8, top_p=1.0, seed=0) -> SamplingParams:
+    return SamplingParams(temperature, top_p, seed, coupled=True)
+
+
+def test_coupled_draws_reproduce_the_target_distribution_over_seeds_and_over_positions():
+    """argmax(log p + Gumbel noise) is a draw from p: across seeds at one position, and across the
+    positions of one seed (the noise of two positions is independent), with and without a nucleus."""
+    from lever_actors.sampling import next_token
+
+    logits = np.random.default_rng(4).normal(size=6).astype(np.float32) * 2
+    for top_p in (1.0, 0.8):
+        p = probs_from_logits(logits, SamplingParams(0.8, top_p))
+        by_seed = [next_token(logits, _coupled(top_p=top_p, seed=s), 0, 7) for s in range(20000)]
+        by_position = [next_token(logits, _coupled(top_p=top_p, seed=11), 0, i) for i in range(20000)]
+        assert _tv(by_seed, p) < 0.015 and _tv(by_position, p) < 0.015
+        assert set(by_seed) == set(np.flatnonzero(p))  # outside the nucleus never, inside every token
+
+
+def test_gumbel_noise_of_a_token_does_not_depend_on_the_vocabulary_size_asked_for():
+    """A draft's subset head asks for the noise of its ids in a vocabulary of its own size: each id
+    gets the very value the target's full row gives it."""
+    from lever_actors.sampling import coupled_scores, gumbel_noise
+
+    full = gumbel_noise(9, 40, 1000)
+    np.testing.assert_array_equal(gumbel_noise(9, 40, 300), full[:300])
+    assert not np.array_equal(gumbel_noise(9, 41, 1000), full) and not np.array_equal(gumbel_noise(8, 40, 1000), full)
+    logits = np.random.default_rng(1).normal(size=1000).astype(np.float32)
+    ids = np.array([3, 17, 998, 500])
+    np.testing.assert_array_equal(coupled_scores(logits[ids], _coupled(), 40, ids, 1000),
+                                  coupled_scores(logits, _coupled(), 40)[ids])
+
+
+def _prefix_logits(prefix: tuple, vocab: int) -> np.ndarray:
+    """A made-up target: its logits after a prefix, a pure function of the prefix."""
+    return np.random.default_rng([hash(prefix) & 0xFFFFFFFF, len(prefix)]).normal(size=vocab).astype(np.float32) * 1.5
+
+
+@settings(max_examples=80, deadline=None)
+@given(trees(vocab=4, max_nodes=10), st.integers(0, 2**31 - 1), st.integers(0, 40), st.sampled_from([1.0, 0.9]))
+def test_coupled_acceptance_commits_what_the_target_alone_draws(tree, seed, root_position, top_p):
+    """Lossless token for token: whatever tree was drafted, the committed tokens are the first tokens
+    the target draws alone, one position at a time, with the same seed."""
+    from actors.accept import decide
+    from lever_actors.sampling import next_token
+    from protocols import VerifyDone
+
+    parents, tokens, _ = tree
+    n, vocab, prompt = len(parents), 4, (1, 2)
+    params = _coupled(top_p=top_p, seed=seed)
+    prefixes = []
+    for i in range(n):  # node i's prefix: the prompt, then the tokens of its path below the root
+        path, v = [], i
+        while v > 0:
+            path.append(int(tokens[v]))
+            v = int(parents[v])
+        prefixes.append(prompt + tuple(reversed(path)))
+    logits = np.stack([_prefix_logits(p, vocab) for p in prefixes])
+    done = VerifyDone(session_id=1, step=3, epoch=0, node_ids=np.arange(n, dtype=np.int32), handle=0,
+                      compute_s=0.0, io_wait_s=0.0, tokens=tokens.astype(np.int32), parents=parents.astype(np.int32),
+                      argmax=np.zeros(n, np.int32), logits=logits, temperature=0.8, top_p=top_p, seed=seed,
+                      coupled=True, position=root_position)
+    _, committed = decide(done)
+    alone, prefix = [], prompt
+    for k in range(len(committed)):
+        alone.append(next_token(_prefix_logits(prefix, vocab), params, 99, root_position + 1 + k))
+        prefix += (alone[-1],)
+    assert committed == alone
