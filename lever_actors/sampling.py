@@ -55,7 +55,7 @@ COUPLED_STREAM = 0x6E0153  # keeps the noise's generators apart from rng_for's
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
     """Standard Gumbel noise for the token at sequence ``position``: float32 ``[vocab]``, read-only,
     a pure function of ``(seed, position)`` (id ``v``'s value does not depend on ``vocab`` beyond ``v``)."""
-    u = np.random.default_rng([seed & 0xFFFFFFFF, position, COUPLED_STREAM]).random(vocab, dtype=np.float32)
+    u = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, position, COUPLED_STREAM]).random(vocab, dtype=np.float32)
     np.maximum(u, np.float32(2.0 ** -25), out=u)  # [0, 1) -> (0, 1): every id finite noise
     g = -np.log(-np.log(u))
     g.flags.writeable = False

@@ -1,6 +1,7 @@
 """The real daemon backend: one pipeline, loaded at start, serving generations one at a time."""
 from __future__ import annotations
 
+import secrets
 import time
 
 import trio
@@ -72,7 +73,9 @@ class EngineBackend:
         if self.pipe is None:
             raise RuntimeError("the pipeline is not running")
         ids = self.tok.encode(self._prompt_text(params))
-        sampling = SamplingParams(params.temperature, params.top_p, params.seed or 0)
+        # no seed: a fresh one, so that unseeded sampled requests differ (as OpenAI's API does)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        sampling = SamplingParams(params.temperature, params.top_p, seed)
         dec = self.tok.incremental_decoder()
         eos = set(self.tok.eos_ids)
         stops = StopScanner(params.stop)

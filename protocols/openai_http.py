@@ -9,7 +9,9 @@ Endpoints
 ``POST /v1/completions``       body ``{"prompt": str, ...}``
 ``POST /v1/chat/completions``  body ``{"messages": [{"role", "content"}, ...], ...}``
     Shared fields: ``model`` (optional; must name the target), ``max_tokens`` (chat also takes
-    ``max_completion_tokens``), ``temperature`` (0 = greedy), ``top_p``, ``seed``, ``stop`` (a
+    ``max_completion_tokens``), ``temperature`` (0 = greedy), ``top_p``, ``seed`` (the same seed
+    gives the same text in every mode that samples coupled, the default; without one a sampled request draws a
+    fresh seed, as OpenAI's API does), ``stop`` (a
     string or up to 16 strings, never part of the output), ``stream``,
     ``stream_options.include_usage``, ``cache_prompt`` (llama.cpp's: default true, reuse the KV
     rows of the prefix shared with the previous request). Without ``stream`` the answer is one

@@ -69,7 +69,8 @@ seed?: int | nil, stop?: [str] = [], mode?: str | nil, cache_prompt?: bool = tru
     Exactly one of ``prompt`` (non-empty) and ``messages`` (1 to 1024
     entries; non-empty ``role``) is required. Ranges: ``1 <= max_tokens <=
     limits.max_tokens``; ``0 <= temperature <= 2``; ``0 < top_p <= 1``;
-    ``0 <= seed < 2**64``; at most 16 ``stop`` strings of 1 to 256
+    ``0 <= seed < 2**64`` (a sampled request without one gets a fresh
+    random seed; greedy ignores it); at most 16 ``stop`` strings of 1 to 256
     characters; ``mode`` one of ``hello``'s ``modes``, optionally followed by
     ``:PARAM`` for the backend (``flash-chain:8``). If the prompt's
     token count plus ``max_tokens`` exceeds ``limits.context_length`` the

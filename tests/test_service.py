@@ -136,3 +136,44 @@ def test_a_stop_string_ends_the_ids_where_it_ends_the_text_whatever_a_pass_commi
 
 async def _append(chunks, text, ids):
     chunks.append((text, list(ids)))
+
+
+def test_a_seed_names_one_text_in_every_mode_and_no_seed_draws_a_fresh_one(tiny_bundles, monkeypatch):
+    """Coupled sampling through the backend: a seeded sampled request answers with the tokens the
+    target alone draws with that seed, whichever mode the daemon runs; an unseeded one gets a fresh
+    random seed (OpenAI's semantics), not a fixed default."""
+    import secrets
+
+    from lever_actors.backend import GenerateParams
+    from lever_actors.service import EngineBackend
+
+    target, draft = tiny_bundles
+    tok = TextTokenizer.from_file(target / "tokenizer.json")
+
+    def answer(cfg, seed):
+        backend = EngineBackend(cfg)
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                await nursery.start(backend.run)
+                out = await backend.generate(GenerateParams(PROMPT, None, 20, 0.9, 0.95, seed, (), None),
+                                             lambda text, ids: _append([], text, ids))
+                nursery.cancel_scope.cancel()
+            return out.token_ids
+
+        return trio.run(main)
+
+    async def alone(seed):
+        async with open_pipeline(EngineConfig(mode="resident-ar", context=256), target, None, set(tok.eos_ids)) as p:
+            async def emit(_):
+                return False
+            return (await p.generate(tok.encode(PROMPT), 20, SamplingParams(0.9, 0.95, seed), emit))[0]
+
+    want = trio.run(alone, 77)
+    assert want != trio.run(alone, 78)
+    base = EngineConfig(target=str(target), draft=str(draft), context=256, dram_budget=12 * 2**20)
+    for mode in ("flash-chain:3", "lever:8"):
+        assert answer(base.with_mode(mode), 77) == want, mode
+    drawn = []
+    monkeypatch.setattr(secrets, "randbits", lambda k: drawn.append(k) or 77)
+    assert answer(base.with_mode("lever:8"), None) == want and drawn == [63]
