@@ -132,7 +132,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens to generate (default 128)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default 0)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
-    g.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampled text (default 0): coupled sampling, the default, gives the same "
+                        "tokens for a seed in every mode, the target's own")
 
 
 def build_parser() -> argparse.ArgumentParser:
