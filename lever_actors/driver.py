@@ -348,6 +348,8 @@ class Pipeline:
         self.session_id += 1
         params = replace(params, coupled=cfg.coupled)  # the mode's sampler (+no-coupled: rejection sampling)
         g = Generation(self.session_id, list(prompt_ids), max_tokens, params, gamma, top_k, max_depth, gamma)
+        if params.argmax_like:  # (rejection sampling is never planned)
+            self.lever.use_sampler("greedy" if params.greedy else "coupled")
         g.spec.unseen = list(prompt_ids)
         return g
 

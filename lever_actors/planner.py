@@ -306,6 +306,11 @@ class LeverPolicy:
     # the pass always waits for (turns) cost differently from a pass with a draft beside it (overlap)
     schedule: str = "overlap"
     others: dict = field(default_factory=dict)  # schedule -> (CostModel, DraftPace) not in use now
+    # the acceptance of each sampler: a greedy draft's probability and a coupled draft's probability
+    # under the Gumbel noise (lever_actors/sampling.py) say different things about acceptance, and a
+    # daemon serving both kinds of request must not blend their records
+    sampler: str = "greedy"
+    other_calibrations: dict = field(default_factory=dict)  # sampler -> (calibration, ngram_calibration)
 
     def use_schedule(self, schedule: str) -> None:
         """Plan the next passes with ``schedule``'s costs and pace. A schedule met for the first time
@@ -317,6 +322,16 @@ class LeverPolicy:
         self.others[self.schedule] = (self.costs, self.pace)
         self.costs, self.pace = self.others.pop(schedule, None) or (deepcopy(self.costs), deepcopy(self.pace))
         self.schedule = schedule
+
+    def use_sampler(self, sampler: str) -> None:
+        """Plan with the acceptance records of ``sampler`` (``greedy`` or ``coupled``); one met for
+        the first time starts from the prior alone."""
+        if sampler == self.sampler:
+            return
+        self.other_calibrations[self.sampler] = (self.calibration, self.ngram_calibration)
+        self.calibration, self.ngram_calibration = self.other_calibrations.pop(sampler, None) or (
+            AcceptanceCalibration(self.calibration.max_depth), AcceptanceCalibration(self.ngram_calibration.max_depth))
+        self.sampler = sampler
 
     def seed(self, n_rows: int, io_s: float, compute_s: float) -> None:
         """The prefill pass's measurements, until decode passes replace them (see CostModel.seed)."""

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lever_actors.planner import AcceptanceCalibration, CostModel, overlap, path_probabilities, plan_tree
+from lever_actors.planner import AcceptanceCalibration, CostModel, LeverPolicy, overlap, path_probabilities, plan_tree
 
 
 @st.composite
@@ -259,3 +259,26 @@ def test_calibrated_ahead_cuts_a_hidden_draft_where_the_calibrated_acceptance_st
     assert depth == int(np.log(min_p) / np.log(0.7)) < cap  # 0.7^3 >= 0.325 > 0.7^4
     assert policy(0.7, False).draft_limits(hidden=True, max_depth=16)[0] == cap
     assert policy(0.99, True).draft_limits(hidden=True, max_depth=16)[0] == cap
+
+
+def test_each_sampler_keeps_its_own_acceptance_records():
+    """A daemon serving greedy and coupled-sampled requests plans each with its own records: what
+    coupled passes observed never moves the greedy calibration, and switching back restores it."""
+    policy = LeverPolicy()
+    depth, prob = np.array([1, 1, 2]), np.array([0.9, 0.9, 0.5])
+    for _ in range(50):
+        policy.calibration.observe(depth, prob, [1, 1, 1])
+    greedy = policy.conditional(depth, prob, None)
+    policy.use_sampler("coupled")
+    fresh = policy.conditional(depth, prob, None)
+    np.testing.assert_allclose(fresh, prob)  # a sampler met first: the prior alone (the draft's probability)
+    for _ in range(50):
+        policy.calibration.observe(depth, prob, [0, 0, 0])
+        policy.ngram_calibration.observe(depth, prob, [0, 0, 0])
+    coupled = policy.conditional(depth, prob, None)
+    assert np.all(coupled < 0.1) and np.all(greedy > 0.9)
+    policy.use_sampler("greedy")
+    np.testing.assert_array_equal(policy.conditional(depth, prob, None), greedy)
+    assert policy.ngram_calibration.seen.sum() == 0
+    policy.use_sampler("coupled")
+    np.testing.assert_array_equal(policy.conditional(depth, prob, None), coupled)

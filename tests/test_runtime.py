@@ -714,3 +714,25 @@ def test_lever_without_auto_schedule_always_drafts_ahead(tiny_bundles, ar_tokens
     assert cfg.mode_string() == "lever:12+no-auto-schedule"
     toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
     assert toks == ar_tokens and stats["turns_passes"] == 0 and "schedule" not in stats
+
+
+def test_greedy_and_coupled_requests_on_one_pipeline_keep_their_own_acceptance_records(tiny_bundles, ar_tokens):
+    """A daemon's pipeline serves greedy and sampled requests in turn: each is planned with its own
+    sampler's records, and neither changes the other's output."""
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="lever", gamma=12, context=CONTEXT, dram_budget=24 * 2**20)
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+
+    async def main():
+        async with open_pipeline(cfg, target, draft, set(tokenizer(target).eos_ids)) as pipe:
+            async def emit(_):
+                return False
+            out = [(await pipe.generate(ids, TOKENS, p, emit))[0] for p in (SamplingParams(), sampled, SamplingParams())]
+            return out, pipe.lever
+
+    (greedy, coupled, again), lever = trio.run(main)
+    alone = trio.run(generate, EngineConfig(mode="resident-ar", context=CONTEXT), target, None, ids, sampled)[0]
+    assert greedy == again == ar_tokens and coupled == alone
+    assert lever.sampler == "greedy" and lever.calibration.seen.sum() > 0
+    assert lever.other_calibrations["coupled"][0].seen.sum() > 0
