@@ -42,6 +42,10 @@ NGRAM_BRANCH = 8  # tokens of a prompt-lookup branch offered to the planner
 SAMPLED_WIDTH = 1
 SAMPLED_MAX_DEPTH = 12
 SAMPLED_MIN_PATH_P = 0.02
+# a sampled pass holds its rows' whole logits (the DRAM budget plans them: runtime.verify_rows), so its
+# tree takes at most this many drafted nodes, coupled or not (coupled lever's planned trees averaged
+# 3-4 nodes on held-out HumanEval at T=0.8)
+SAMPLED_MAX_NODES = SAMPLED_WIDTH * SAMPLED_MAX_DEPTH
 # multi-outcome cross-step drafting (lever, greedy): besides the main path accepted whole, draft ahead
 # for this many more of the likeliest stops of the tree, if at least this likely. Every hypothesis is
 # then a chain as deep. Three rows cost a draft call 1.3-1.5x one row (two rows 1.1-1.2x); two
@@ -348,6 +352,7 @@ class Pipeline:
         self.session_id += 1
         params = replace(params, coupled=cfg.coupled)  # the mode's sampler (+no-coupled: rejection sampling)
         g = Generation(self.session_id, list(prompt_ids), max_tokens, params, gamma, top_k, max_depth, gamma)
+        g.draft_cap = self._node_cap(g)
         if params.argmax_like:  # (rejection sampling is never planned)
             self.lever.use_sampler("greedy" if params.greedy else "coupled")
         g.spec.unseen = list(prompt_ids)
@@ -460,6 +465,10 @@ class Pipeline:
         width = -(-g.draft_cap // g.max_depth)  # nodes per level of the configured shape
         return {"max_nodes": min(g.draft_cap, width * depth), "max_depth": depth, "min_path_p": min_p, **borrow}
 
+    def _node_cap(self, g: Generation) -> int:
+        """Drafted nodes a pass of this generation may verify (a sampled lever pass: SAMPLED_MAX_NODES)."""
+        return min(g.gamma, SAMPLED_MAX_NODES) if self.cfg.mode == "lever" and not g.params.greedy else g.gamma
+
     def _sampled_rule(self, g: Generation) -> bool:
         """Whether this generation's trees follow the sampled tree rule (lever sampling by rejection)."""
         return self.cfg.mode == "lever" and self.cfg.adaptive_depth and not g.params.argmax_like
@@ -479,7 +488,7 @@ class Pipeline:
             if branch:
                 tree = tree.with_branch(branch, NGRAM_PRIOR)
                 g.stats.ngram_offered += 0 if tree.ngram is None else int(tree.ngram.sum())
-        keep = self.lever.select(np.asarray(tree.parents), np.concatenate([[1.0], tree.probs]), g.gamma, tree.ngram)
+        keep = self.lever.select(np.asarray(tree.parents), np.concatenate([[1.0], tree.probs]), self._node_cap(g), tree.ngram)
         g.stats.tree_sizes.append(len(keep) - 1)  # drafted nodes verified (the root is not drafted)
         return tree.subtree(keep)
 
@@ -616,7 +625,7 @@ class Pipeline:
                 free = set(np.flatnonzero(tree.ngram).tolist())
                 st.ngram_n += len(free)
                 st.ngram_accepted += len(free & set(commit.accepted_nodes))
-            g.draft_cap = self.lever.next_draft_size(g.gamma)
+            g.draft_cap = self.lever.next_draft_size(self._node_cap(g))
         g.prev_accepted = commit.accepted_nodes
 
     def _pass_reads(self, g: Generation) -> float | None:

@@ -28,7 +28,7 @@ from actors.flash_prefetch import FlashPrefetcher, StreamStage
 from actors.npu_verify import NpuVerifier
 from lever_actors.budget import BudgetPlan, context_trade, plan_budget
 from lever_actors.bundle import load_bundle, read_region
-from lever_actors.driver import SAMPLED_MAX_DEPTH, SAMPLED_WIDTH, Pipeline, RunStats  # noqa: F401 - the pipeline open_pipeline yields
+from lever_actors.driver import SAMPLED_MAX_NODES, Pipeline, RunStats  # noqa: F401 - the pipeline open_pipeline yields
 from lever_actors.errors import BudgetError, ConfigError, ModelIncompatible
 from lever_actors.flashio import FlashFile, aligned_buffer
 from lever_actors.lanes import ThreadLanes
@@ -36,6 +36,7 @@ from lever_actors.model import FEED_CHUNK, Transformer
 from lever_actors.ortrt import LaneConfig
 from lever_actors.planner import bucket_for
 from lever_actors.prefix_cache import PrefixStore
+from lever_actors.sampling import NOISE_CACHE_ENTRIES
 from lever_actors.trace import TRACE_FILE_EVENTS, Tracer
 
 # Channel capacities, one table (STYLE 8.7). One pass is in flight at a time, so
@@ -64,13 +65,15 @@ def layer_floats_per_row(dims: dict, context: int) -> int:
     return 3 * dims["ffn"] + 6 * dims["hidden"] + 3 * dims["n_head"] * context
 
 
-def activation_bytes(dims: dict, context: int, verify_rows: int, sampled_rows: int, head_slice: int) -> int:
+def activation_bytes(dims: dict, context: int, verify_rows: int, sampled_rows: int, head_slice: int,
+                     coupled: bool = False) -> int:
     """Peak activations of a pass (fp32): a layer call over its rows (a prefill chunk or a tree),
     then the LM head's. A greedy pass keeps one head slice's logits at a time (``HeadScores``); a
-    sampled one keeps its rows' whole logits beside the draft's distributions, and its acceptance a
-    few float64 rows."""
+    sampled one keeps its rows' whole logits, its acceptance a few float64 rows, and beside them
+    the draft's distributions (rejection sampling) or the cached Gumbel noise rows (coupled)."""
     vocab = dims["vocab_size"]
-    head = max(verify_rows * head_slice * 4, sampled_rows * vocab * 8 + SAMPLED_ROW_TEMPS * vocab * 8)
+    beside = NOISE_CACHE_ENTRIES * vocab * 4 if coupled else sampled_rows * vocab * 4
+    head = max(verify_rows * head_slice * 4, sampled_rows * vocab * 4 + beside + SAMPLED_ROW_TEMPS * vocab * 8)
     return max(FEED_CHUNK, verify_rows) * layer_floats_per_row(dims, context) * 4 + head
 
 
@@ -89,11 +92,11 @@ def head_slice_rows(bundle) -> int:
 
 
 def verify_rows(cfg) -> tuple[int, int]:
-    """(rows of the largest tree a pass verifies, ... of a sampled pass): sampled lever's trees follow
-    its own rule (``driver.SAMPLED_*``), every other tree may take the configured size."""
+    """(rows of the largest tree a pass verifies, ... of a sampled pass): a sampled lever pass verifies
+    at most ``driver.SAMPLED_MAX_NODES`` drafted nodes, every other tree may take the configured size."""
     rows = bucket_for(cfg.gamma + 1 if cfg.drafted else 1, cfg.buckets)
-    if cfg.mode == "lever" and cfg.adaptive_depth:
-        return rows, min(rows, bucket_for(min(cfg.gamma, SAMPLED_WIDTH * SAMPLED_MAX_DEPTH) + 1, cfg.buckets))
+    if cfg.mode == "lever":
+        return rows, min(rows, bucket_for(min(cfg.gamma, SAMPLED_MAX_NODES) + 1, cfg.buckets))
     return rows, rows
 
 
@@ -116,7 +119,7 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
     precision = cfg.lane.precision
     items = {"target_kv": cfg.context * kv_row_bytes(target, target.layout, precision),
              "activations": activation_bytes(d, cfg.context, *verify_rows(cfg),
-                                             head_slice_rows(target)), **(extra or {})}
+                                             head_slice_rows(target), cfg.coupled), **(extra or {})}
     if cfg.dram_budget is not None and cfg.mode != "resident-ar" and runtime_baseline() > 0:
         items = {"runtime": runtime_baseline(), "headroom": HEADROOM, **items}
     if draft_bundle is not None:

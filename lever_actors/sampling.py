@@ -51,7 +51,10 @@ def rng_for(seed: int, step: int, node: int = 0) -> np.random.Generator:
 COUPLED_STREAM = 0x6E0153  # keeps the noise's generators apart from rng_for's
 
 
-@functools.lru_cache(maxsize=8)  # the drafter and the acceptor ask for the same few positions (0.6 MB each)
+NOISE_CACHE_ENTRIES = 8  # noise rows kept (0.6 MB each for this pair; the DRAM budget plans them)
+
+
+@functools.lru_cache(maxsize=NOISE_CACHE_ENTRIES)  # the drafter and the acceptor ask for the same few positions
 def gumbel_noise(seed: int, position: int, vocab: int) -> np.ndarray:
     """Standard Gumbel noise for the token at sequence ``position``: float32 ``[vocab]``, read-only,
     a pure function of ``(seed, position)`` (id ``v``'s value does not depend on ``vocab`` beyond ``v``)."""

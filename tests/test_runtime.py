@@ -736,3 +736,24 @@ def test_greedy_and_coupled_requests_on_one_pipeline_keep_their_own_acceptance_r
     assert greedy == again == ar_tokens and coupled == alone
     assert lever.sampler == "greedy" and lever.calibration.seen.sum() > 0
     assert lever.other_calibrations["coupled"][0].seen.sum() > 0
+
+
+def test_a_sampled_lever_pass_verifies_no_more_nodes_than_the_budget_plans_for(tiny_bundles, monkeypatch):
+    """A sampled pass holds its rows' whole logits, and the DRAM budget plans SAMPLED_MAX_NODES of them
+    (runtime.verify_rows): coupled lever's planned trees stay inside that, where greedy ones with the
+    same sure draft grow past it."""
+    import lever_actors.driver
+    from lever_actors.runtime import verify_rows
+    from protocols import VerifyPlan
+
+    target = tiny_bundles[0]
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="lever", gamma=32, context=CONTEXT, dram_budget=24 * 2**20)
+    cap = lever_actors.driver.SAMPLED_MAX_NODES
+    assert verify_rows(cfg) == (33, cap + 1)
+    rows = {}
+    for name, params in (("greedy", SamplingParams()), ("coupled", SamplingParams(0.8, 0.95, 5))):
+        plans = _recording(monkeypatch, VerifyPlan, lever_actors.driver)
+        trio.run(generate, cfg, target, target, ids, params)  # the draft is the target: every node pays
+        rows[name] = max(len(p.tokens) for p in plans if not p.prefill)
+    assert rows["coupled"] <= cap + 1 < rows["greedy"]
