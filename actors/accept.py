@@ -12,8 +12,8 @@ from protocols import Commit, PassStats, VerifyDone
 
 def decide(done: VerifyDone) -> tuple[list[int], list[int]]:
     """(accepted node ids root first, committed tokens) for one verified tree. Pure."""
-    from lever_actors.sampling import (SamplingParams, accept_greedy, accept_sampled, coupled_scores, next_token,
-                                       probs_from_logits, tree_depths)
+    from lever_actors.sampling import (SamplingParams, accept_greedy, accept_sampled, next_token, probs_from_logits,
+                                       tree_depths)
 
     params = SamplingParams(done.temperature, done.top_p, done.seed, done.coupled)
     if done.prefill:
@@ -26,9 +26,13 @@ def decide(done: VerifyDone) -> tuple[list[int], list[int]]:
         return accept_greedy(done.parents, tokens, done.argmax)
     if params.coupled:
         # the target's draw after node i is its argmax under the noise of the position after it:
-        # greedy acceptance on those, computed only for the nodes the walk visits
+        # greedy acceptance on those, computed only for the nodes the walk visits (a sampled pass is
+        # never pruned: logits rows are node ids)
+        if done.pruned is not None:
+            raise ValueError("a coupled sampled pass cannot be pruned: its logits rows must be its nodes")
         depths = tree_depths(done.parents)
-        choice = _Lazy(lambda i: int(np.argmax(coupled_scores(done.logits[i], params, done.position + depths[i] + 1))))
+        choice = _Lazy(lambda i: next_token(done.logits[i], params, done.step, done.position + int(depths[i]) + 1),
+                       remember=True)
         return accept_greedy(done.parents, tokens, choice)
     n = len(done.tokens)
     # a distribution is a float64 row of the vocabulary: only the nodes the walk visits get one
@@ -40,13 +44,18 @@ def decide(done: VerifyDone) -> tuple[list[int], list[int]]:
 
 
 class _Lazy:
-    """``f(i)`` computed on indexing and not kept: a walk holds one node's distribution at a time."""
+    """``f(i)`` computed on indexing and not kept (a walk holds one node's distribution at a time),
+    or kept when ``remember`` (small results: the greedy walk reads its last node's twice)."""
 
-    def __init__(self, f) -> None:
-        self.f = f
+    def __init__(self, f, remember: bool = False) -> None:
+        self.f, self.kept = f, {} if remember else None
 
     def __getitem__(self, i: int):
-        return self.f(i)
+        if self.kept is None:
+            return self.f(i)
+        if i not in self.kept:
+            self.kept[i] = self.f(i)
+        return self.kept[i]
 
 
 class Acceptor:

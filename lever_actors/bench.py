@@ -234,7 +234,8 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
     count_in_baseline([load_bundle(d).layout for d in (tdir, ddir) if d is not None])
     runtime_baseline()
     out = {"modes": {}, "settings": {"max_tokens": args.max_tokens, "dram_budget": args.dram_budget,
-                                      "temperature": params.temperature, "prompts": [i for i, _ in prompts],
+                                      "temperature": params.temperature, "top_p": params.top_p, "seed": params.seed,
+                                      "prompts": [i for i, _ in prompts],
                                       "flash_bandwidth": args.flash_bandwidth}}
     async with AsyncExitStack() as stack:
         pipes = {}

@@ -34,9 +34,9 @@ TREE_TOP_K = 3  # children scored per node by the tree modes
 TREE_WIDTH = 4  # nodes per tree level: with this pair's sharp draft, budget is best spent on depth
 TREE_MAX_DEPTH = 16
 NGRAM_BRANCH = 8  # tokens of a prompt-lookup branch offered to the planner
-# sampled lever's tree rule (timing-free): this many nodes a level, at most this deep, and a level
+# lever's tree rule when it samples by rejection (+no-coupled; timing-free): this many nodes a level, at most this deep, and a level
 # only while its best drawn path keeps this much draft probability. A chain that goes deeper than a
-# chain of 8 where the draft is sure: sampled trees are verified whole, so a second node a level
+# chain of 8 where the draft is sure: trees sampled for rejection are verified whole, so a second node a level
 # costs compute on every pass (HumanEval 0:4 at T=0.8, against flash-chain:8 in the same run:
 # width 2, depth 8, p 0.2: 0.77x; width 1, depth 12, p 0.02: 0.85x and 0.81x; README)
 SAMPLED_WIDTH = 1
@@ -45,7 +45,7 @@ SAMPLED_MIN_PATH_P = 0.02
 # a sampled pass holds its rows' whole logits (the DRAM budget plans them: runtime.verify_rows), so its
 # tree takes at most this many drafted nodes, coupled or not (coupled lever's planned trees averaged
 # 3-4 nodes on held-out HumanEval at T=0.8)
-SAMPLED_MAX_NODES = SAMPLED_WIDTH * SAMPLED_MAX_DEPTH
+SAMPLED_MAX_NODES = 12
 # multi-outcome cross-step drafting (lever, greedy): besides the main path accepted whole, draft ahead
 # for this many more of the likeliest stops of the tree, if at least this likely. Every hypothesis is
 # then a chain as deep. Three rows cost a draft call 1.3-1.5x one row (two rows 1.1-1.2x); two
