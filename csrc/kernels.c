@@ -86,12 +86,41 @@ static size_t group_bytes(int type) {
 }
 
 /* Q5_0R: each whole pair of blocks (2c, 2c + 1) of a QK-column group, 44 bytes, holds the same codes
- * and scales as the two Q5_0 blocks it replaces, laid out the way the AVX-512 kernels use them: 32 bytes
+ * and scales as the two Q5_0 blocks it replaces, laid out the way the SIMD kernels use them: 32 bytes
  * of low code nibbles in element order (block 2c's in the low nibbles, 2c + 1's in the high), the two
- * blocks' fifth-bit words as one 64-bit mask (block 2c's low), then the two f16 scales. Unpacking a pair
- * then takes a load, a shift, an and and a masked add, where the GGUF layout needs about a dozen
- * instructions (the draft's Q5_0 matmuls were half its time, bound by that unpacking). A group's odd last
- * block keeps its GGUF layout. The products and sums are the same integers and floats: the same bits. */
+ * blocks' 64 fifth bits in 8 bytes, then the two f16 scales. Unpacking a pair then takes a handful of
+ * instructions where the GGUF layout needs about a dozen a block (the draft's Q5_0 matmuls were half
+ * its time, bound by that unpacking). A group's odd last block keeps its GGUF layout. The products and
+ * sums are the same integers and floats: the same bits. The fifth bits' order is the build's:
+ * - AVX-512: one 64-bit byte mask, bit e of block 2c's qh word at bit e (block 2c + 1's at bit 32 + e);
+ * - AVX2: byte t holds the fifth bits of elements t, 8 + t, 16 + t, 24 + t of block 2c in bits 0-3 and
+ *   of block 2c + 1 in bits 4-7, so the 8 bytes broadcast to every quadword and shifted per quadword
+ *   (by 4 - Q left, or Q right, in quadword Q) bring each element's bit to bit 4 of its own byte.
+ * Q5_0R lives only in memory (resident weights), so the two orders never meet. */
+static inline uint64_t fifth_bits_pack(uint32_t h0, uint32_t h1) {
+#ifdef LEVER_AVX512
+    return (uint64_t)h0 | (uint64_t)h1 << 32;
+#else
+    uint64_t m = 0;
+    for (int t = 0; t < 8; t++)
+        for (int Q = 0; Q < 4; Q++)
+            m |= (uint64_t)((h0 >> (8 * Q + t)) & 1) << (8 * t + Q) | (uint64_t)((h1 >> (8 * Q + t)) & 1) << (8 * t + 4 + Q);
+    return m;
+#endif
+}
+
+/* fifth_bits_pack undone: block 2c's qh word (h == 0) or block 2c + 1's (h == 1) */
+static inline uint32_t fifth_bits_unpack(uint64_t m, int h) {
+#ifdef LEVER_AVX512
+    return (uint32_t)(m >> 32 * h);
+#else
+    uint32_t w = 0;
+    for (int t = 0; t < 8; t++)
+        for (int Q = 0; Q < 4; Q++) w |= (uint32_t)((m >> (8 * t + 4 * h + Q)) & 1) << (8 * Q + t);
+    return w;
+#endif
+}
+
 static void q5_0_pair_repack(uint8_t *p) {
     uint8_t t[44];
     const uint8_t *b0 = p, *b1 = p + 22;
@@ -100,8 +129,11 @@ static void q5_0_pair_repack(uint8_t *p) {
         const int lo1 = j < 16 ? b1[6 + j] & 0xF : b1[6 + j - 16] >> 4;
         t[j] = (uint8_t)(lo0 | lo1 << 4);
     }
-    memcpy(t + 32, b0 + 2, 4);
-    memcpy(t + 36, b1 + 2, 4);
+    uint32_t h0, h1;
+    memcpy(&h0, b0 + 2, 4);
+    memcpy(&h1, b1 + 2, 4);
+    const uint64_t m = fifth_bits_pack(h0, h1);
+    memcpy(t + 32, &m, 8);
     memcpy(t + 40, b0, 2);
     memcpy(t + 42, b1, 2);
     memcpy(p, t, 44);
@@ -109,10 +141,13 @@ static void q5_0_pair_repack(uint8_t *p) {
 
 /* The two GGUF Q5_0 blocks (44 bytes into b) of a repacked pair p: q5_0_pair_repack undone. */
 static void q5_0_pair_unpack(const uint8_t *p, uint8_t *b) {
+    uint64_t m;
+    memcpy(&m, p + 32, 8);
     for (int h = 0; h < 2; h++) {
         uint8_t *o = b + 22 * h;
+        const uint32_t qh = fifth_bits_unpack(m, h);
         memcpy(o, p + 40 + 2 * h, 2);
-        memcpy(o + 2, p + 32 + 4 * h, 4);
+        memcpy(o + 2, &qh, 4);
         for (int j = 0; j < 16; j++)
             o[6 + j] = (uint8_t)(((p[j] >> 4 * h) & 0xF) | ((p[16 + j] >> 4 * h) & 0xF) << 4);
     }
@@ -276,9 +311,21 @@ static inline void unpack_q5_0(const uint8_t *b, int8_t *w, float *d) {
     }
 }
 
+/* Lane sums of activation rows for the few-row 32-block kernels (rows_q32_512, rows_q5r_avx2): corr[i * k/4 + l] = -off * (a[4l] + ... + a[4l+3]),
+ * off the bias of the type's unsigned weight codes (Q5_0's q is already q - 16 + 16; Q8_0's w + 128). */
+static void q32_corrections(int type, const int8_t *q, int64_t k, int64_t n, int32_t *corr) {
+    const int32_t off = type == T_Q8_0 ? 128 : 16;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t l = 0; l < k / 4; l++) {
+            const int8_t *a = q + i * k + 4 * l;
+            corr[i * (k / 4) + l] = -off * (a[0] + a[1] + a[2] + a[3]);
+        }
+}
+
 #if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* the AVX-512 build has rows_q32_512 */
-/* The same block as 32 int8 in one register: nibbles plus the fifth bit expanded from qh. */
-static inline __m256i q5_0_avx2(const uint8_t *b) {
+/* The same block's 32 unsigned codes (0..31, the value is q - 16) in one register: nibbles plus the
+ * fifth bit expanded from qh. */
+static inline __m256i q5_0_codes_avx2(const uint8_t *b) {
     const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6));
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
@@ -289,8 +336,11 @@ static inline __m256i q5_0_avx2(const uint8_t *b) {
         _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
     const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
-    return _mm256_sub_epi8(_mm256_or_si256(nib, hi), _mm256_set1_epi8(16));
+    return _mm256_or_si256(nib, hi);
 }
+
+/* The same block as 32 int8 weights */
+static inline __m256i q5_0_avx2(const uint8_t *b) { return _mm256_sub_epi8(q5_0_codes_avx2(b), _mm256_set1_epi8(16)); }
 
 /* Q8_0 / Q5_0 against activation rows [0, n) for one group: eight float lanes per output
  * (acc + 8*i), each block's exact integer dot scaled and added lane-wise in block order, so
@@ -328,6 +378,108 @@ static void block_q32_avx2(int type, const uint8_t *b, int64_t s, int64_t k, int
 static inline float hsum8(const float *a) {
     return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
+
+#if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* the AVX-512 build has rows_q32_512 */
+/* A repacked pair's 64 unsigned codes as two registers, block 2c's in *u0 and 2c + 1's in *u1: the
+ * nibbles by an and and a shift, the fifth bits by one shift per quadword (see q5_0_pair_repack). */
+static inline void q5_0r_codes_avx2(const uint8_t *p, __m256i *u0, __m256i *u1) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p), m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+    int64_t h;
+    memcpy(&h, p + 32, 8);
+    const __m256i hb = _mm256_set1_epi64x(h);
+    *u0 = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_sllv_epi64(hb, _mm256_setr_epi64x(4, 3, 2, 1)), b4));
+    *u1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                          _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_setr_epi64x(0, 1, 2, 3)), b4));
+}
+
+/* One block's exact integer lanes from unsigned codes u (0..31): four adjacent products each, less
+ * the activations' lane sums times the bias 16 (corr). The codes stay under 32, so maddubs's
+ * pairwise 16-bit sums never saturate: the integers block_q32_avx2 computes by the sign trick. */
+static inline __m256 q5_lanes_avx2(__m256i u, const int8_t *a, const int32_t *corr) {
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)a)), _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(p, _mm256_loadu_si256((const __m256i *)corr)));
+}
+
+/* R whole Q5_0R weight rows (rb bytes apart) against N <= 4 activation rows. Each output keeps
+ * block_q32_avx2's float order: per group an even-block and an odd-block chain of fused adds from
+ * zero, joined and added to the output's eight lanes, which stay in a register across groups, then
+ * hsum8. The same bits as the GGUF layout's kernels, at about half the instructions a block: the
+ * pair layout unpacks cheaply, the unsigned codes need no sign instructions, and the R x N chains
+ * interleave. */
+static inline __attribute__((always_inline)) void rows_q5r_avx2(
+        const uint8_t *b, size_t rb, int64_t k, const int R, const int N, const int8_t *q,
+        const float *d, const int32_t *corr, float *out, int64_t stride) {
+    const int64_t nsb = n_groups(k);
+    __m256 acc[8];
+    for (int o = 0; o < R * N; o++) acc[o] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const int nb = (int)(group_len(k, s) / 32);
+        __m256 v0[8], v1[8];
+        float da[4];
+        for (int o = 0; o < R * N; o++) v0[o] = v1[o] = _mm256_setzero_ps();
+        for (int i = 0; i < N; i++) da[i] = d[i * nsb + s];
+        for (int c = 0; c + 1 < nb; c += 2) {
+            for (int r = 0; r < R; r++) {
+                const uint8_t *p = b + r * rb + (size_t)s * 176 + 22 * c;
+                __m256i u0, u1;
+                q5_0r_codes_avx2(p, &u0, &u1);
+                const float d0 = f16_to_f32(p + 40), d1 = f16_to_f32(p + 42);
+                for (int i = 0; i < N; i++) {
+                    const int8_t *a = q + i * k + s * QK + 32 * c;
+                    const int32_t *ci = corr + i * (k / 4) + s * (QK / 4) + 8 * c;
+                    v0[r * N + i] = _mm256_fmadd_ps(q5_lanes_avx2(u0, a, ci), _mm256_set1_ps(d0 * da[i]), v0[r * N + i]);
+                    v1[r * N + i] = _mm256_fmadd_ps(q5_lanes_avx2(u1, a + 32, ci + 8), _mm256_set1_ps(d1 * da[i]), v1[r * N + i]);
+                }
+            }
+        }
+        if (nb & 1) /* a group's odd last block keeps the GGUF layout; it is an even block */
+            for (int r = 0; r < R; r++) {
+                const uint8_t *p = b + r * rb + (size_t)s * 176 + 22 * (nb - 1);
+                const __m256i u = q5_0_codes_avx2(p);
+                const float dw = f16_to_f32(p);
+                for (int i = 0; i < N; i++)
+                    v0[r * N + i] = _mm256_fmadd_ps(q5_lanes_avx2(u, q + i * k + s * QK + 32 * (nb - 1), corr + i * (k / 4) + s * (QK / 4) + 8 * (nb - 1)),
+                                                    _mm256_set1_ps(dw * da[i]), v0[r * N + i]);
+            }
+        for (int o = 0; o < R * N; o++) acc[o] = _mm256_add_ps(acc[o], _mm256_add_ps(v0[o], v1[o]));
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < N; i++) {
+            float l[8];
+            _mm256_storeu_ps(l, acc[r * N + i]);
+            out[i * stride + r] = hsum8(l);
+        }
+}
+
+/* rows_q5r_avx2 on the weight rows from j: R1 of them for one activation row, R2 for more (literal
+ * shapes, so each call is compiled for its own) */
+#define Q5R_ROWS(R1, R2)                                                                              \
+    do {                                                                                              \
+        const uint8_t *b = w + (size_t)j * rb;                                                        \
+        switch (n) {                                                                                  \
+        case 1: rows_q5r_avx2(b, rb, k, R1, 1, q, d, corr, out + j, stride); break;                   \
+        case 2: rows_q5r_avx2(b, rb, k, R2, 2, q, d, corr, out + j, stride); break;                   \
+        case 3: rows_q5r_avx2(b, rb, k, R2, 3, q, d, corr, out + j, stride); break;                   \
+        default: rows_q5r_avx2(b, rb, k, R2, 4, q, d, corr, out + j, stride); break;                  \
+        }                                                                                             \
+    } while (0)
+
+/* Q5_0R weight rows [j0, j1) against n <= 4 activation rows, by rows_q5r_avx2 with constant shapes */
+static void few_rows_q5r_avx2(const uint8_t *w, size_t rb, int64_t j0, int64_t j1, int64_t k, int64_t n,
+                              const int8_t *q, const float *d, const int32_t *corr, float *out, int64_t stride) {
+    const int R = n == 1 ? 2 : 1; /* 1, 2 or 4 rows for one activation row, 1 or 2 for more: all within noise */
+    int64_t j = j0;
+    for (; j + R <= j1; j += R) {
+        if (j + R + PREFETCH_ROWS <= j1) {
+            const char *ahead = (const char *)w + (size_t)(j + PREFETCH_ROWS) * rb;
+            for (size_t o = 0; o < (size_t)R * rb; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+        }
+        Q5R_ROWS(2, 1);
+    }
+    for (; j < j1; j++) Q5R_ROWS(1, 1);
+}
+#undef Q5R_ROWS
+#endif
 
 #ifdef LEVER_AVX512
 /* AVX-512 versions of the Q4_K / Q6_K blocks: weights are unpacked once per block
@@ -477,17 +629,6 @@ static inline __m512 q5_0r_scales_512(const uint8_t *p) {
 /* the scales of the 32-blocks b0 and b1 of any 32-block type (a repacked Q5_0 pair keeps them side by side) */
 static inline __m512 pair_scales_512(int type, const uint8_t *b0, const uint8_t *b1) {
     return type == T_Q5_0R && b1 != b0 ? q5_0r_scales_512(b0) : scale_pair_512(b0, b1);
-}
-
-/* Lane sums of activation rows for row_q32_512: corr[i * k/4 + l] = -off * (a[4l] + ... + a[4l+3]),
- * off the bias of the type's unsigned weight codes (Q5_0's q is already q - 16 + 16; Q8_0's w + 128). */
-static void q32_corrections(int type, const int8_t *q, int64_t k, int64_t n, int32_t *corr) {
-    const int32_t off = type == T_Q8_0 ? 128 : 16;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t l = 0; l < k / 4; l++) {
-            const int8_t *a = q + i * k + 4 * l;
-            corr[i * (k / 4) + l] = -off * (a[0] + a[1] + a[2] + a[3]);
-        }
 }
 
 /* R whole Q8_0 / Q5_0 weight rows (rb bytes apart) against N <= 4 activation rows, two blocks per
@@ -830,6 +971,18 @@ static void *run_job(void *arg) {
         free(wf);
         return NULL;
     }
+#elif defined(LEVER_AVX2)
+    if (jb->corr) { /* Q5_0R: four activation rows at a time over cached slices, as above */
+        for (int64_t s0 = jb->j0; s0 < jb->j1; s0 += Q32_SLICE) {
+            const int64_t s1 = jb->j1 - s0 < Q32_SLICE ? jb->j1 : s0 + Q32_SLICE;
+            for (int64_t i0 = 0; i0 < n; i0 += 4)
+                few_rows_q5r_avx2(jb->w, rb, s0, s1, jb->k, n - i0 < 4 ? n - i0 : 4, jb->q + i0 * jb->k,
+                                  jb->d + i0 * nsb, jb->corr + i0 * (jb->k / 4), jb->out + i0 * jb->out_stride, jb->out_stride);
+        }
+        free(acc);
+        free(wf);
+        return NULL;
+    }
 #endif
     for (int64_t j0 = jb->j0; j0 < jb->j1; j0 += group) {
         const int64_t rows = jb->j1 - j0 < group ? jb->j1 - j0 : group;
@@ -1016,8 +1169,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     int have_x = xo != Py_None;
     if (have_x && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto done0;
     if (type < T_Q4_K || type > T_LAST) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
-#ifndef LEVER_AVX512
-    if (type == T_Q5_0R) { PyErr_SetString(PyExc_ValueError, "repacked Q5_0 needs the AVX-512 kernels"); goto done; }
+#ifndef LEVER_AVX2
+    if (type == T_Q5_0R) { PyErr_SetString(PyExc_ValueError, "repacked Q5_0 needs the AVX2 or AVX-512 kernels"); goto done; }
 #endif
     if (k % (is_kquant(type) ? QK : 32)) {
         PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, is_kquant(type) ? QK : 32);
@@ -1044,10 +1197,14 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 #endif
 #ifdef LEVER_AVX512
     if (!have_x && (type == T_Q8_0 || type == T_Q5_0 || type == T_Q5_0R) && n > 0) {
+#elif defined(LEVER_AVX2)
+    if (!have_x && type == T_Q5_0R && n > 0) { /* AVX2: Q8_0's codes would overflow maddubs unsigned */
+#else
+    if (0) {
+#endif
         if (!(corr = malloc(sizeof(int32_t) * (size_t)(n * (k / 4))))) { PyErr_NoMemory(); goto done; }
         q32_corrections(type, q.buf, k, n, corr);
     }
-#endif
     Job job = {type, w.buf, k, n, 0, m, q.buf, d.buf, bs.buf, bs16, corr, have_x ? x.buf : NULL, out.buf, stride, 0};
     int failed;
     Py_BEGIN_ALLOW_THREADS

@@ -30,7 +30,7 @@ except ImportError as e:  # pragma: no cover - a broken install, not a runtime c
     ) from e
 
 QK = 256
-# Q5_0R: Q5_0 with its block pairs rearranged in place for the AVX-512 kernels (resident weights only,
+# Q5_0R: Q5_0 with its block pairs rearranged in place for the SIMD kernels (resident weights only,
 # see repacked_for_cpu); the same numbers, the same results, the same size
 TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "F32": 3, "Q5_0": 4, "Q5_0R": 5}
 BLOCK = {"Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "F32": (4, 1), "Q5_0": (22, 32), "Q5_0R": (22, 32)}
@@ -135,10 +135,11 @@ def matmul(w: NativeMatrix, a: QuantizedRows | np.ndarray, threads: int = 1, out
 
 def repacked_for_cpu(w: NativeMatrix) -> NativeMatrix:
     """``w`` in the layout this build's kernels compute fastest from, rearranged in place (its buffer
-    must be writable and no longer read as GGUF blocks): Q5_0 becomes Q5_0R on AVX-512 builds, where
-    unpacking the GGUF layout was half of the 0.5B draft's time. Other types and builds: ``w`` itself.
+    must be writable and no longer read as GGUF blocks): Q5_0 becomes Q5_0R on AVX2 and AVX-512 builds,
+    where unpacking the GGUF layout was half of the 0.5B draft's time (AVX2: a one-row 896 x 4864
+    product took 0.24 ms instead of 0.57, the same bits). The portable build and other types: ``w`` itself.
     For resident weights only: a streamed layer's buffer is reused for other layers' bytes."""
-    if w.qtype != "Q5_0" or not simd().startswith("avx512"):
+    if w.qtype != "Q5_0" or simd() == "portable":
         return w
     _kernels.repack_q5_0(w.data, w.n, w.k, True)
     return NativeMatrix("Q5_0R", w.k, w.n, w.data)
