@@ -85,13 +85,35 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     p = np.exp(z)
     p /= p.sum()
     if params.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        keep = order[: int(np.searchsorted(cum, params.top_p) + 1)]
+        keep = nucleus(p, params.top_p)
         q = np.zeros_like(p)
         q[keep] = p[keep]
         p = q / q.sum()
     return p
+
+
+NUCLEUS_FIRST_GUESS = 256  # candidates sorted first; a nucleus is usually far smaller than the vocabulary
+
+
+def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
+    """The top-p nucleus of ``p``: ids in order of falling probability (ties by id) until the mass
+    reaches ``top_p``, the same ids a stable sort of the whole vocabulary gives. Only the ids at or
+    above the m-th largest probability are sorted, m growing fourfold until their mass reaches ``top_p``:
+    every id left out is less probable than every id sorted, so the sorted ones are the full order's
+    first ids and their running sums the same floats (a full sort of 151,936 ids took ~25 ms a call)."""
+    m = NUCLEUS_FIRST_GUESS
+    while True:
+        if m >= len(p):
+            order = np.argsort(-p, kind="stable")
+        else:
+            cut = np.partition(p, len(p) - m)[len(p) - m]
+            cand = np.flatnonzero(p >= cut)
+            order = cand[np.argsort(-p[cand], kind="stable")]
+        cum = np.cumsum(p[order])
+        end = int(np.searchsorted(cum, top_p))
+        if end < len(order) or len(order) == len(p):
+            return order[: end + 1]
+        m *= 4
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.draft import keep_level
-from lever_actors.sampling import SamplingParams, accept_greedy, accept_sampled, probs_from_logits
+from lever_actors import sampling
+from lever_actors.sampling import SamplingParams, accept_greedy, accept_sampled, nucleus, probs_from_logits
 
 
 @st.composite
@@ -85,6 +86,25 @@ def test_top_p_keeps_a_nucleus_that_reaches_p(logits, temperature, top_p):
     assert full[kept].sum() >= top_p - 1e-9 or kept.all()
     assert full[kept].min() >= full[~kept].max(initial=0) - 1e-12
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-6, 6), min_size=1, max_size=300), st.floats(0.01, 1.0), st.sampled_from([1, 3, 16]))
+def test_nucleus_is_the_full_stable_sorts_prefix(levels, top_p, first_guess):
+    """The nucleus sorted from a few candidates is, id for id, the prefix a stable sort of the whole
+    vocabulary gives, with many ties at the cut and candidate sets that must grow (first guesses of
+    1 to 16 ids)."""
+    z = np.array(levels, np.float64) / 2
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    want = order[: int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)]
+    old = sampling.NUCLEUS_FIRST_GUESS
+    try:
+        sampling.NUCLEUS_FIRST_GUESS = first_guess
+        assert np.array_equal(nucleus(p, top_p), want)
+    finally:
+        sampling.NUCLEUS_FIRST_GUESS = old
 
 def _draft_level(frontier, path_p, dists, draws, room, greedy):
     """One level the way the drafter grows it: each frontier node's candidates (its draws, in
