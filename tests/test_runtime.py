@@ -742,16 +742,19 @@ def test_greedy_and_coupled_requests_on_one_pipeline_keep_their_own_acceptance_r
             out, seen = [], []
             for p in (SamplingParams(), sampled, SamplingParams()):
                 out.append((await pipe.generate(ids, TOKENS, p, emit))[0])
-                cal = pipe.lever.calibration if pipe.lever.sampler == "greedy" else pipe.lever.other_calibrations["greedy"][0]
-                seen.append(cal.seen.sum())
+                records = {pipe.lever.sampler: pipe.lever.calibration}
+                records.update({k: v[0] for k, v in pipe.lever.other_calibrations.items()})
+                seen.append({k: cal.seen.sum() for k, cal in records.items()})
             return out, pipe.lever, seen
 
     (greedy, coupled, again), lever, seen = trio.run(main)
-    assert seen[0] == seen[1] < seen[2]  # the coupled request never touched the greedy record
+    # each request wrote only its own sampler's record (how much it wrote depends on timings: a
+    # slow host may plan drafts of no node at all for a while)
+    assert seen[0]["greedy"] > 0 and seen[1]["greedy"] == seen[0]["greedy"]
+    assert seen[1]["coupled"] > 0 and seen[2]["coupled"] == seen[1]["coupled"]
     alone = trio.run(generate, EngineConfig(mode="resident-ar", context=CONTEXT), target, None, ids, sampled)[0]
     assert greedy == again == ar_tokens and coupled == alone
-    assert lever.sampler == "greedy" and lever.calibration.seen.sum() > 0
-    assert lever.other_calibrations["coupled"][0].seen.sum() > 0
+    assert lever.sampler == "greedy"
 
 
 def test_a_sampled_lever_pass_verifies_no_more_nodes_than_the_budget_plans_for(tiny_bundles, monkeypatch):
