@@ -112,6 +112,8 @@ class EngineBackend:
         if stops.stopped:
             finish = "stop"
         stats = dict(stats, elapsed_s=time.perf_counter() - t0, prompt_tokens=len(ids))
+        if not sampling.greedy:  # the seed drawn for an unseeded request too: the text can be asked for again
+            stats["seed"] = seed
         return GenerateOutcome("".join(text_parts), list(emitted), finish, stats)
 
 

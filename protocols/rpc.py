@@ -96,7 +96,9 @@ seed?: int | nil, stop?: [str] = [], mode?: str | nil, cache_prompt?: bool = tru
     reused from an earlier request: a conversation's earlier turns, from the
     live rows or the prompt cache's copies), ``prompt_n`` (prompt tokens
     computed), ``ttft_s`` and ``prompt_cache_bytes`` (what the copies hold
-    now) (a backend may omit or add keys). ``cache_prompt: false`` computes the whole prompt; the
+    now), and for a sampled request ``seed`` (the one given, or the one drawn
+    for a request without one: asking again with it gives the same text) (a
+    backend may omit or add keys). ``cache_prompt: false`` computes the whole prompt; the
     output is the same either way.
     ``timings`` holds ``queue_s``, ``first_token_s`` (nil if none),
     ``generate_s`` and ``total_s``, measured from receipt. A cancelled

@@ -141,7 +141,7 @@ async def _append(chunks, text, ids):
 def test_a_seed_names_one_text_in_every_mode_and_no_seed_draws_a_fresh_one(tiny_bundles, monkeypatch):
     """Coupled sampling through the backend: a seeded sampled request answers with the tokens the
     target alone draws with that seed, whichever mode the daemon runs; an unseeded one gets a fresh
-    random seed (OpenAI's semantics), not a fixed default."""
+    random seed (OpenAI's semantics), not a fixed default, and its stats say which."""
     import secrets
 
     from lever_actors.backend import GenerateParams
@@ -159,6 +159,7 @@ def test_a_seed_names_one_text_in_every_mode_and_no_seed_draws_a_fresh_one(tiny_
                 out = await backend.generate(GenerateParams(PROMPT, None, 20, 0.9, 0.95, seed, (), None),
                                              lambda text, ids: _append([], text, ids))
                 nursery.cancel_scope.cancel()
+            assert out.stats["seed"] == 77  # the seed given, or the one drawn: the text can be asked for again
             return out.token_ids
 
         return trio.run(main)
