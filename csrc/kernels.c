@@ -956,28 +956,22 @@ static void *run_job(void *arg) {
     /* a few activation rows gain nothing from grouping: stream each weight row contiguously (the
      * draft's batched levels of 3-4 rows ran 15% faster so, from DRAM-resident weights) */
     const int64_t group = jb->n <= 4 ? 1 : ROW_GROUP;
-#ifdef LEVER_AVX512
+#ifdef LEVER_AVX2
     if (jb->corr) {
-        /* more than four rows, four at a time (the grouped loop below took 2.1x as long for five rows
+        /* the few-row 32-block kernel (AVX-512: Q8_0 / Q5_0 / Q5_0R; AVX2: Q5_0R), more than four rows
+         * four at a time over cached slices (the grouped loop below took 2.1x as long for five rows
          * as for four, 3x for eight) */
         const int64_t k4 = jb->k / 4;
         for (int64_t s0 = jb->j0; s0 < jb->j1; s0 += Q32_SLICE) {
             const int64_t s1 = jb->j1 - s0 < Q32_SLICE ? jb->j1 : s0 + Q32_SLICE;
             for (int64_t i0 = 0; i0 < n; i0 += 4)
+#ifdef LEVER_AVX512
                 few_rows_q32_512(jb->type, jb->w, rb, s0, s1, jb->k, n - i0 < 4 ? n - i0 : 4, jb->q + i0 * jb->k,
                                  jb->d + i0 * nsb, jb->corr + i0 * k4, jb->out + i0 * jb->out_stride, jb->out_stride);
-        }
-        free(acc);
-        free(wf);
-        return NULL;
-    }
-#elif defined(LEVER_AVX2)
-    if (jb->corr) { /* Q5_0R: four activation rows at a time over cached slices, as above */
-        for (int64_t s0 = jb->j0; s0 < jb->j1; s0 += Q32_SLICE) {
-            const int64_t s1 = jb->j1 - s0 < Q32_SLICE ? jb->j1 : s0 + Q32_SLICE;
-            for (int64_t i0 = 0; i0 < n; i0 += 4)
+#else
                 few_rows_q5r_avx2(jb->w, rb, s0, s1, jb->k, n - i0 < 4 ? n - i0 : 4, jb->q + i0 * jb->k,
-                                  jb->d + i0 * nsb, jb->corr + i0 * (jb->k / 4), jb->out + i0 * jb->out_stride, jb->out_stride);
+                                  jb->d + i0 * nsb, jb->corr + i0 * k4, jb->out + i0 * jb->out_stride, jb->out_stride);
+#endif
         }
         free(acc);
         free(wf);
