@@ -35,6 +35,12 @@ enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3, T_Q5_0 = 4, T_Q5_0R = 5 };
 #define T_LAST T_Q5_0R
 #define QK 256
 #define KLANES 16 /* floats each K-quant output keeps per activation row until its final sum */
+/* Activation rows the AVX2 K-quant kernel takes at once; more go KQ_MAX at a time over slices of
+ * KQ_SLICE weight rows that stay in cache from one batch to the next. 4 held the integer lanes in
+ * registers but doubled a fifth row's cost; 8 or 12 ran 5 to 8 rows 10-20% faster than the kernel
+ * before, and 12 kept 9 to 16 rows level with it (8 lost 5% there). */
+#define KQ_MAX 12
+_Static_assert(KQ_MAX == 12, "few_rows_kq_avx2 has a case for each row count up to KQ_MAX");
 /* Weight rows read ahead by software prefetch when a few activation rows stream each weight row:
  * the loops' long chains of fused adds leave the out-of-order core few loads in flight, and the
  * hardware prefetcher alone kept a 1-row matmul at a third of the memory bandwidth. */
@@ -228,8 +234,8 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t
 /* The integer part of one K-quant block against 256 int8 activations, split in eight lanes
  * the way llama.cpp's AVX2 vec_dot splits it: lane l holds bytes 4l..4l+3 of every 32-element
  * run. Its float accumulation then follows those lanes, which is what keeps our greedy
- * output on llama.cpp's near-ties. The SIMD builds compute them in block_q4k_avx2 /
- * block_q6k_avx2 (and the AVX-512 kernels); lanes_q4k / lanes_q6k below are the portable build's. */
+ * output on llama.cpp's near-ties. The SIMD builds compute them in row_q4k_avx2 /
+ * row_q6k_avx2 (and the AVX-512 kernels); lanes_q4k / lanes_q6k below are the portable build's. */
 #if defined(LEVER_AVX2) && !defined(LEVER_AVX512)
 /* Run c (32 bytes) of a Q4_K block's codes: its low nibbles and its high nibbles, 32 each. */
 static inline void unpack_q4k_run_avx2(const uint8_t *qs, int c, __m256i *lo, __m256i *hi) {
@@ -237,15 +243,6 @@ static inline void unpack_q4k_run_avx2(const uint8_t *qs, int c, __m256i *lo, __
     const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
     *lo = _mm256_and_si256(v, m4);
     *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-}
-
-/* Run c's share of the eight lanes: its codes against activations a[64c .. 64c+64). */
-static inline __m256i dot_q4k_run_avx2(__m256i lo, __m256i hi, const uint8_t *sc, const int8_t *a, int c) {
-    const __m256i a0 = _mm256_loadu_si256((const __m256i *)(a + 64 * c));
-    const __m256i a1 = _mm256_loadu_si256((const __m256i *)(a + 64 * c + 32));
-    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_set1_epi16(sc[2 * c]));
-    const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), _mm256_set1_epi16(sc[2 * c + 1]));
-    return _mm256_add_epi32(p0, p1);
 }
 
 /* Half h (128 codes) of a Q6_K block as four registers of 6-bit codes, before the -32 offset. */
@@ -782,61 +779,120 @@ static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n
 }
 
 #if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* the AVX-512 build has block_q4k_512 / block_q6k_512 */
-/* The portable block_q8's K-quant branches for every activation row at once: the block's codes
- * are unpacked into registers once and reused for each row. Each row's lanes are the same
- * integers as lanes_q4k / lanes_q6k make, and its float epilogue is block_q8's (a vector fused
- * multiply-add rounds as fmaf does), so every output keeps its bits. */
-static void block_q4k_avx2(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
-                           const int16_t *bs16, float *acc) {
-    const int64_t nsb = n_groups(k);
-    const float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
-    uint8_t sc[8], mn[8];
-    q4k_scale_min(b + 4, sc, mn);
-    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
-    __m256i lo[4], hi[4];
-    for (int c = 0; c < 4; c++) unpack_q4k_run_avx2(b + 16, c, &lo[c], &hi[c]);
-    for (int64_t i = 0; i < n; i++) {
-        const int8_t *a = q + i * k + s * QK;
-        const float dx = d[i * nsb + s];
-        float *ai = acc + KLANES * i;
-        __m256i lane = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) lane = _mm256_add_epi32(lane, dot_q4k_run_avx2(lo[c], hi[c], sc, a, c));
-        _mm256_storeu_ps(ai, _mm256_fmadd_ps(_mm256_set1_ps(dx * dw), _mm256_cvtepi32_ps(lane), _mm256_loadu_ps(ai)));
-        /* the four min lanes: the pair sums of the activation sums (py_matmul) against the mins */
-        const __m128i q8s = _mm_loadu_si128((const __m128i *)(bs16 + (i * nsb + s) * 8));
-        _mm_storeu_ps(ai + 8, _mm_fmadd_ps(_mm_set1_ps(-(dx * dmin)), _mm_cvtepi32_ps(_mm_madd_epi16(mins16, q8s)),
-                                           _mm_loadu_ps(ai + 8)));
-    }
+/* The final sum of a K-quant output's lanes, in llama.cpp's order: hsum_float_8 of the eight
+ * scale lanes plus the two-step sum of the four min lanes (zero for Q6_K). */
+static inline float ksum(const float *a) {
+    const float r0 = a[4] + a[0], r1 = a[5] + a[1], r2 = a[6] + a[2], r3 = a[7] + a[3];
+    return ((r0 + r2) + (r1 + r3)) + ((a[8] + a[10]) + (a[9] + a[11]));
 }
 
-static void block_q6k_avx2(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
-                           const int16_t *bs16, float *acc) {
-    const int64_t nsb = n_groups(k);
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    const float dw = f16_to_f32(b + 208);
-    __m256i w[8], sv[8];
-    for (int h = 0; h < 2; h++) {
-        unpack_q6k_half_avx2(ql, qh, h, w + 4 * h);
-        for (int r = 0; r < 4; r++) sv[4 * h + r] = q6k_scales_avx2(sc, h, r);
-    }
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-    for (int64_t i = 0; i < n; i++) {
-        const int8_t *a = q + i * k + s * QK;
-        float *ai = acc + KLANES * i;
-        __m256i accv = _mm256_setzero_si256();
-        for (int h = 0; h < 2; h++)
-            for (int r = 0; r < 4; r++) {
-                const __m256i av = _mm256_loadu_si256((const __m256i *)(a + 128 * h + 32 * r));
-                accv = _mm256_add_epi32(accv, _mm256_madd_epi16(_mm256_maddubs_epi16(w[4 * h + r], av), sv[4 * h + r]));
+/* AVX2 K-quant kernels: one weight row, all its blocks, against N <= KQ_MAX activation rows. A
+ * run's codes are unpacked (and its scales broadcast) once for every activation row, and each row's
+ * integer lanes stay in registers through the block; its float lanes (fa) are fused-added once per
+ * block. The previous kernel went block by block over a group of 16 weight rows and was called per
+ * block: its scale registers spilled, and at one to four rows it read weights at 7 GB/s. Each lane
+ * holds the integer lanes_q4k / lanes_q6k make (integer sums in any order are the same integer),
+ * fused-added per block in block order, then summed by ksum: the same bits, checked against
+ * llama.cpp's own results in tests/test_kernels.py. */
+static inline __attribute__((always_inline)) void row_q4k_avx2(
+        const uint8_t *w, int64_t nsb, int64_t k, const int N, const int8_t *q, const float *d,
+        const int16_t *bs16, float *out, int64_t stride) {
+    float fa[KQ_MAX * KLANES];
+    memset(fa, 0, sizeof fa);
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *b = w + (size_t)s * 144;
+        uint8_t t[16];
+        q4k_scales_mins16(b + 4, t);
+        __m256i lane[KQ_MAX];
+        for (int i = 0; i < N; i++) lane[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i lo, hi;
+            unpack_q4k_run_avx2(b + 16, c, &lo, &hi);
+            const __m256i s0 = _mm256_set1_epi16(t[2 * c]), s1 = _mm256_set1_epi16(t[2 * c + 1]);
+            for (int i = 0; i < N; i++) {
+                const int8_t *a = q + i * k + s * QK + 64 * c;
+                const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)a)), s0);
+                const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 32))), s1);
+                lane[i] = _mm256_add_epi32(lane[i], _mm256_add_epi32(p0, p1));
             }
-        /* each lane less its pair of -32 offsets: 32 x (activation sums against the scales) */
-        const __m256i off = _mm256_slli_epi32(
-            _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs16 + (i * nsb + s) * 16)), sc16), 5);
-        _mm256_storeu_ps(ai, _mm256_fmadd_ps(_mm256_set1_ps(d[i * nsb + s] * dw),
-                                             _mm256_cvtepi32_ps(_mm256_sub_epi32(accv, off)), _mm256_loadu_ps(ai)));
+        }
+        const float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(t + 8)));
+        for (int i = 0; i < N; i++) {
+            const float dx = d[i * nsb + s];
+            _mm256_storeu_ps(fa + KLANES * i, _mm256_fmadd_ps(_mm256_set1_ps(dx * dw), _mm256_cvtepi32_ps(lane[i]), _mm256_loadu_ps(fa + KLANES * i)));
+            const __m128i q8s = _mm_loadu_si128((const __m128i *)(bs16 + (i * nsb + s) * 8));
+            _mm_storeu_ps(fa + KLANES * i + 8, _mm_fmadd_ps(_mm_set1_ps(-(dx * dmin)), _mm_cvtepi32_ps(_mm_madd_epi16(mins16, q8s)), _mm_loadu_ps(fa + KLANES * i + 8)));
+        }
     }
+    for (int i = 0; i < N; i++) out[i * stride] = ksum(fa + KLANES * i);
 }
+
+static inline __attribute__((always_inline)) void row_q6k_avx2(
+        const uint8_t *w, int64_t nsb, int64_t k, const int N, const int8_t *q, const float *d,
+        const int16_t *bs16, float *out, int64_t stride) {
+    float fa[KQ_MAX * KLANES];
+    memset(fa, 0, sizeof fa);
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *b = w + (size_t)s * 210;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        __m256i lane[KQ_MAX];
+        for (int i = 0; i < N; i++) lane[i] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i wq[4];
+            unpack_q6k_half_avx2(b, b + 128, h, wq);
+            for (int r = 0; r < 4; r++) {
+                const __m256i sv = q6k_scales_avx2(sc, h, r);
+                for (int i = 0; i < N; i++) {
+                    const __m256i av = _mm256_loadu_si256((const __m256i *)(q + i * k + s * QK + 128 * h + 32 * r));
+                    lane[i] = _mm256_add_epi32(lane[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wq[r], av), sv));
+                }
+            }
+        }
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        const float dw = f16_to_f32(b + 208);
+        for (int i = 0; i < N; i++) {
+            const __m256i off = _mm256_slli_epi32(
+                _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs16 + (i * nsb + s) * 16)), sc16), 5);
+            _mm256_storeu_ps(fa + KLANES * i, _mm256_fmadd_ps(_mm256_set1_ps(d[i * nsb + s] * dw),
+                                                              _mm256_cvtepi32_ps(_mm256_sub_epi32(lane[i], off)),
+                                                              _mm256_loadu_ps(fa + KLANES * i)));
+        }
+    }
+    for (int i = 0; i < N; i++) out[i * stride] = ksum(fa + KLANES * i);
+}
+
+/* K-quant weight rows [j0, j1) against n <= KQ_MAX activation rows (bs16 as py_matmul converts it) */
+#define KQ_ROW(FN, NN) FN(w + (size_t)j * rb, nsb, k, NN, q, d, bs16, out + j, stride)
+#define KQ_ROWS(FN)                                                                                  \
+    for (int64_t j = j0; j < j1; j++) {                                                              \
+        if (j + PREFETCH_ROWS < j1) {                                                                \
+            const char *ahead = (const char *)w + (size_t)(j + PREFETCH_ROWS) * rb;                 \
+            for (size_t o = 0; o < rb; o += 64) __builtin_prefetch(ahead + o, 0, 3);                \
+        }                                                                                            \
+        switch (n) { /* literal shapes, each compiled for its own; KQ_MAX cases */                   \
+        case 1: KQ_ROW(FN, 1); break;                                                                \
+        case 2: KQ_ROW(FN, 2); break;                                                                \
+        case 3: KQ_ROW(FN, 3); break;                                                                \
+        case 4: KQ_ROW(FN, 4); break;                                                                \
+        case 5: KQ_ROW(FN, 5); break;                                                                \
+        case 6: KQ_ROW(FN, 6); break;                                                                \
+        case 7: KQ_ROW(FN, 7); break;                                                                \
+        case 8: KQ_ROW(FN, 8); break;                                                                \
+        case 9: KQ_ROW(FN, 9); break;                                                                \
+        case 10: KQ_ROW(FN, 10); break;                                                              \
+        case 11: KQ_ROW(FN, 11); break;                                                              \
+        default: KQ_ROW(FN, 12); break;                                                              \
+        }                                                                                            \
+    }
+static void few_rows_kq_avx2(int type, const uint8_t *w, size_t rb, int64_t j0, int64_t j1, int64_t k, int64_t n,
+                             const int8_t *q, const float *d, const int16_t *bs16, float *out, int64_t stride) {
+    const int64_t nsb = n_groups(k);
+    if (type == T_Q4_K) { KQ_ROWS(row_q4k_avx2) }
+    else { KQ_ROWS(row_q6k_avx2) }
+}
+#undef KQ_ROWS
+#undef KQ_ROW
 #endif
 
 /* ------------------------------------------------------ fp32 activation path */
@@ -913,13 +969,6 @@ static inline float dot_d(const float *a, const float *b, int64_t d) {
 
 /* ------------------------------------------------------------------- driver */
 
-/* The final sum of a K-quant output's lanes, in llama.cpp's order: hsum_float_8 of the eight
- * scale lanes plus the two-step sum of the four min lanes (zero for Q6_K). */
-static inline float ksum(const float *a) {
-    const float r0 = a[4] + a[0], r1 = a[5] + a[1], r2 = a[6] + a[2], r3 = a[7] + a[3];
-    return ((r0 + r2) + (r1 + r3)) + ((a[8] + a[10]) + (a[9] + a[11]));
-}
-
 typedef struct {
     int type;
     const uint8_t *w;
@@ -943,6 +992,7 @@ typedef struct {
  * slices of Q32_SLICE weight rows that stay in cache from one four to the next (64 rows of the
  * draft's 896 columns are 38 KiB of Q5_0) */
 #define Q32_SLICE 64
+#define KQ_SLICE 32
 
 static void *run_job(void *arg) {
     Job *jb = (Job *)arg;
@@ -978,6 +1028,21 @@ static void *run_job(void *arg) {
         return NULL;
     }
 #endif
+#if defined(LEVER_AVX2) && !defined(LEVER_AVX512)
+    if (!jb->x && is_kquant(jb->type)) {
+        /* the AVX2 K-quant kernel, more than KQ_MAX rows KQ_MAX at a time over cached slices */
+        const int64_t per = jb->type == T_Q4_K ? 8 : 16;
+        for (int64_t s0 = jb->j0; s0 < jb->j1; s0 += KQ_SLICE) {
+            const int64_t s1 = jb->j1 - s0 < KQ_SLICE ? jb->j1 : s0 + KQ_SLICE;
+            for (int64_t i0 = 0; i0 < jb->n; i0 += KQ_MAX)
+                few_rows_kq_avx2(jb->type, jb->w, rb, s0, s1, jb->k, jb->n - i0 < KQ_MAX ? jb->n - i0 : KQ_MAX, jb->q + i0 * jb->k,
+                                 jb->d + i0 * nsb, jb->bs16 + i0 * nsb * per, jb->out + i0 * jb->out_stride, jb->out_stride);
+        }
+        free(acc);
+        free(wf);
+        return NULL;
+    }
+#endif
     for (int64_t j0 = jb->j0; j0 < jb->j1; j0 += group) {
         const int64_t rows = jb->j1 - j0 < group ? jb->j1 - j0 : group;
         const int64_t ahead = j0 + (group > PREFETCH_ROWS ? group : PREFETCH_ROWS);
@@ -1001,8 +1066,6 @@ static void *run_job(void *arg) {
 #endif
 #if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* AVX-512: Q8_0 and Q5_0 went to rows_q32_512 above */
                 else if (lanes == 8) block_q32_avx2(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, ar);
-                else if (jb->type == T_Q4_K) block_q4k_avx2(b, s, jb->k, jb->n, jb->q, jb->d, jb->bs16, ar);
-                else if (jb->type == T_Q6_K) block_q6k_avx2(b, s, jb->k, jb->n, jb->q, jb->d, jb->bs16, ar);
 #endif
                 else block_q8(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
             }
@@ -1279,6 +1342,32 @@ static inline __m512 ggml_expf_512(__m512 x) {
 }
 #endif
 
+#if defined(LEVER_AVX2) && !defined(LEVER_AVX512)
+/* ggml_expf on 8 lanes: the same fused multiply-adds in the same order. 2^n is applied as two
+ * powers of two, 2^a then 2^(n - a) with a = floor(n / 2), both normal for |n| <= 192: the first
+ * product is exact, so a result among the subnormals is rounded once, as ldexpf rounds it. */
+static inline __m256 pow2_avx2(__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); }
+
+static inline __m256 ggml_expf_avx2(__m256 x) {
+    const __m256 r = _mm256_set1_ps(0x1.8p23f);
+    const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(0x1.715476p+0f), r);
+    const __m256 n = _mm256_sub_ps(z, r);
+    const __m256 nn = _mm256_xor_ps(n, _mm256_set1_ps(-0.0f));
+    const __m256 b = _mm256_fmadd_ps(nn, _mm256_set1_ps(0x1.7f7d1cp-20f), _mm256_fmadd_ps(nn, _mm256_set1_ps(0x1.62e4p-1f), x));
+    const __m256 u = _mm256_mul_ps(b, b);
+    const __m256 j = _mm256_fmadd_ps(
+        _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(0x1.0e4020p-7f), b, _mm256_set1_ps(0x1.573e2ep-5f)), u,
+                        _mm256_fmadd_ps(_mm256_set1_ps(0x1.555e66p-3f), b, _mm256_set1_ps(0x1.fffdb6p-2f))),
+        u, _mm256_fmadd_ps(_mm256_set1_ps(0x1.ffffecp-1f), b, _mm256_set1_ps(1.0f)));
+    const __m256i ni = _mm256_cvtps_epi32(n), a = _mm256_srai_epi32(ni, 1);
+    const __m256 scaled = _mm256_mul_ps(_mm256_mul_ps(j, pow2_avx2(a)), pow2_avx2(_mm256_sub_epi32(ni, a)));
+    const __m256 big = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), n), _mm256_set1_ps(192.0f), _CMP_GT_OQ);
+    const __m256 low = _mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ);
+    const __m256 edge = _mm256_blendv_ps(_mm256_set1_ps(INFINITY), _mm256_setzero_ps(), low);
+    return _mm256_blendv_ps(scaled, edge, big);
+}
+#endif
+
 static PyObject *py_swiglu(PyObject *self, PyObject *args) {
     Py_buffer g, u, out;
     Py_ssize_t count;
@@ -1295,6 +1384,13 @@ static PyObject *py_swiglu(PyObject *self, PyObject *args) {
         _mm512_storeu_ps(o + e, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f),
                                                                              ggml_expf_512(_mm512_sub_ps(_mm512_setzero_ps(), x)))),
                                               _mm512_loadu_ps(up + e)));
+    }
+#elif defined(LEVER_AVX2)
+    for (; e + 8 <= count; e += 8) {
+        const __m256 x = _mm256_loadu_ps(gp + e);
+        _mm256_storeu_ps(o + e, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                                             ggml_expf_avx2(_mm256_sub_ps(_mm256_setzero_ps(), x)))),
+                                              _mm256_loadu_ps(up + e)));
     }
 #endif
     for (; e < count; e++) o[e] = (gp[e] / (1.0f + ggml_expf(0.0f - gp[e]))) * up[e];

@@ -169,6 +169,24 @@ def test_matmul_rows_of_any_multiple_of_32(qtype, k, rows, n):
         assert_bitwise(K.matmul(w, K.quantize_rows(x[i:i + 1]), threads=3)[0], K.matmul(w, qa)[i])
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_kquant_every_row_count_matches_each_row_alone(qtype):
+    """The AVX2 K-quant kernel takes up to 12 activation rows at once, each count compiled for its own,
+    and more twelve at a time over slices of 32 weight rows: every count from 1 to 27, on 1 and 2
+    threads, must give each row the bits of its own 1-row product and the float64 result. 4864 and 8960
+    are the draft's and the target's ffn_down rows (19 and 35 blocks)."""
+    for k in (4864, 8960):
+        w, wdq = weight(qtype, k, 67)
+        x = activations(27, k, seed=k)
+        qa = K.quantize_rows(x)
+        alone = np.stack([K.matmul(w, K.quantize_rows(x[i:i + 1]))[0] for i in range(27)])
+        a = qa.q.astype(np.float64) * np.repeat(qa.d.astype(np.float64), 256, axis=1)
+        assert max_rel_err(alone, a @ wdq.astype(np.float64).T) < 1e-5
+        for rows in range(1, 28):
+            for threads in (1, 2):
+                assert_bitwise(K.matmul(w, K.quantize_rows(x[:rows]), threads=threads), alone[:rows])
+
+
 SIMD = K.simd() != "portable"
 
 
@@ -303,7 +321,7 @@ def test_swiglu_position_invariant():
 
 
 def test_swiglu_lanes_equal_the_scalar_exp_over_every_float_class():
-    """The 16-lane exp (ggml_v_expf's AVX-512 form) and the one-at-a-time tail give the same bits,
+    """The vector exp (16 lanes on AVX-512, 8 on AVX2) and the one-at-a-time tail give the same bits,
     at the edges too: exponents past +-192, results that overflow or underflow to subnormals, inf, nan."""
     rng = np.random.default_rng(9)
     patterns = np.arange(0, 2**32, 65521, dtype=np.uint64).astype(np.uint32).view(np.float32)
@@ -313,7 +331,7 @@ def test_swiglu_lanes_equal_the_scalar_exp_over_every_float_class():
     g = g[np.isfinite(g) | np.isinf(g)]  # NaN payloads aside (a NaN stays a NaN either way)
     g = g[: len(g) // 16 * 16]
     u = rng.standard_normal(g.size).astype(np.float32)
-    lanes = K.swiglu(g, u)  # a multiple of 16: every element goes through the lanes
+    lanes = K.swiglu(g, u)  # a multiple of 16: every element goes through the lanes (either build)
     one_at_a_time = np.concatenate([K.swiglu(g[i:i + 1], u[i:i + 1]) for i in range(g.size)])
     assert_bitwise(lanes, one_at_a_time)
 
