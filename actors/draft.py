@@ -551,7 +551,9 @@ def keep_level(cands: list[tuple], room: int, greedy: bool, parent_p: dict) -> l
     """The ``room`` candidates ``(path_p, parent, token, p)`` of a level that the tree keeps
     (``parent_p``: each parent's own path probability).
 
-    Greedy: the most probable paths. Sampled: tree speculative sampling is exact only when each
+    Greedy, or coupled sampling (``greedy`` is ``params.argmax_like``: the probabilities are then
+    those under the position's noise): the most probable paths. Rejection sampling: tree
+    speculative sampling is exact only when each
     node's children are the first of its draws, in the order drawn (choosing among the draws by
     their probability skews the output towards the draft's likely tokens), so parents are taken
     most probable first, each with its draws in order, and the room cuts the last parent's short.

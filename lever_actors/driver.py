@@ -46,14 +46,14 @@ SAMPLED_MIN_PATH_P = 0.02
 # tree takes at most this many drafted nodes, coupled or not (coupled lever's planned trees averaged
 # 3-4 nodes on held-out HumanEval at T=0.8)
 SAMPLED_MAX_NODES = 12
-# multi-outcome cross-step drafting (lever, greedy): besides the main path accepted whole, draft ahead
+# multi-outcome cross-step drafting (lever, greedy or coupled): besides the main path accepted whole, draft ahead
 # for this many more of the likeliest stops of the tree, if at least this likely. Every hypothesis is
 # then a chain as deep. Three rows cost a draft call 1.3-1.5x one row (two rows 1.1-1.2x); two
 # outcomes instead of three won on HumanEval 0:8 and lost on library_dev.jsonl, so three stay;
 # a fourth (a second branch for the main one) did not pay (README)
 OUTCOMES_EXTRA = 2
 OUTCOME_MIN_WEIGHT = 0.04
-# +draft-until-commit (lever, greedy; measured: no gain, README): the trees drafted ahead grow in
+# +draft-until-commit (lever, greedy or coupled; measured: no gain, README): the trees drafted ahead grow in
 # requests of this many levels (the first also assumes the outcomes) until the commit arrives
 AHEAD_FIRST_LEVELS = 2
 AHEAD_MORE_LEVELS = 1

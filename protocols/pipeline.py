@@ -325,7 +325,9 @@ class DraftExpansion(PipelineMessage):
     """Drafter -> TreePlanner: candidate nodes below the (implicit) root.
 
     ``parents[i]`` is -1 for a child of the root, else a smaller node id; ``draft_probs[i]``
-    is the draft's conditional probability of ``tokens[i]`` given its parent path.
+    is the draft's conditional probability of ``tokens[i]`` given its parent path (coupled
+    sampling: under the softmax of the scores its position's noise perturbs, which the planner
+    weighs as greedy probabilities).
     """
     KIND: ClassVar[str] = "draft.expansion"
     VERSION: ClassVar[int] = 4
@@ -335,7 +337,7 @@ class DraftExpansion(PipelineMessage):
     tokens: np.ndarray       # int32 [n]
     draft_probs: np.ndarray  # float32 [n]
     draft_s: float
-    # v2: full draft distributions [n, vocab] that sampled nodes were drawn from (sampling only)
+    # v2: full draft distributions [n, vocab] that sampled nodes were drawn from (rejection sampling only)
     dists: np.ndarray | None = None
     # v3: the draft's top tokens after the root (row 0) and after each node (row i+1), best
     # first: the pruner's competitors when it scores a child against its alternatives
@@ -395,7 +397,7 @@ class VerifyPlan(PipelineMessage):
     exit_layers: tuple[int, ...] = ()
     # v2: accepted nodes of the previous pass (its KV keep-list, root first); prefill = the
     # tokens are a prompt, committed unconditionally (a new sequence); sampling settings;
-    # want_logits asks for full target rows (sampled acceptance), draft_dists travel along
+    # want_logits asks for full target rows (sampled acceptance), draft_dists travel along (rejection sampling)
     prev_accepted: tuple[int, ...] = ()
     prefill: bool = False
     want_logits: bool = False
