@@ -778,7 +778,6 @@ static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n
     }
 }
 
-#if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* the AVX-512 build has block_q4k_512 / block_q6k_512 */
 /* The final sum of a K-quant output's lanes, in llama.cpp's order: hsum_float_8 of the eight
  * scale lanes plus the two-step sum of the four min lanes (zero for Q6_K). */
 static inline float ksum(const float *a) {
@@ -786,6 +785,7 @@ static inline float ksum(const float *a) {
     return ((r0 + r2) + (r1 + r3)) + ((a[8] + a[10]) + (a[9] + a[11]));
 }
 
+#if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* the AVX-512 build has block_q4k_512 / block_q6k_512 */
 /* AVX2 K-quant kernels: one weight row, all its blocks, against N <= KQ_MAX activation rows. A
  * run's codes are unpacked (and its scales broadcast) once for every activation row, and each row's
  * integer lanes stay in registers through the block; its float lanes (fa) are fused-added once per

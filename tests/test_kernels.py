@@ -187,6 +187,49 @@ def test_kquant_every_row_count_matches_each_row_alone(qtype):
                 assert_bitwise(K.matmul(w, K.quantize_rows(x[:rows]), threads=threads), alone[:rows])
 
 
+def _build_portable(tmp_path):
+    """csrc/kernels.c compiled with no -march (the portable paths), loaded beside the installed build."""
+    import importlib.util
+    import shutil
+    import subprocess
+    import sysconfig
+    from pathlib import Path
+
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if not shutil.which(cc):
+        pytest.skip(f"no C compiler ({cc})")
+    src = Path(__file__).resolve().parent.parent / "csrc" / "kernels.c"
+    so = tmp_path / f"_kernels{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run([cc, "-shared", "-fPIC", "-std=c11", "-O2", "-fno-wrapv", "-ffp-contract=off", "-fno-fast-math",
+                    "-Werror=implicit-function-declaration", f"-I{sysconfig.get_paths()['include']}", str(src),
+                    "-o", str(so), "-lpthread", "-lm"], check=True, capture_output=True)
+    spec = importlib.util.spec_from_file_location("portable_build._kernels", so)  # PyInit__kernels
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_portable_build_gives_the_same_bits(tmp_path):
+    """The build without SIMD (what a machine without AVX2 compiles) gives the installed build's bits for
+    every weight type in the GGUF layout, 1 to 13 activation rows, and for SwiGLU. It also catches a
+    helper that only the SIMD branches define (a K-quant sum once was, and the portable build then
+    called it undeclared)."""
+    P = _build_portable(tmp_path)
+    assert P.simd() == "portable"
+    for qtype, k in (("Q4_K", 768), ("Q6_K", 768), ("Q8_0", 896), ("Q5_0", 896)):
+        w, _ = weight(qtype, k, 41)
+        for rows in (1, 3, 5, 9, 13):
+            a = K.quantize_rows(activations(rows, k, seed=rows))
+            out = np.empty((rows, w.n), np.float32)
+            P.matmul(K.TYPES[qtype], w.data, w.n, w.k, a.q, a.d, a.bsums, None, rows, out, w.n, 2)
+            assert_bitwise(out, K.matmul(w, a, threads=2))
+    g = np.random.default_rng(3).uniform(-30, 30, 1000).astype(np.float32)
+    u = np.random.default_rng(4).standard_normal(1000).astype(np.float32)
+    out = np.empty_like(g)
+    P.swiglu(g, u, out, g.size)
+    assert_bitwise(out, K.swiglu(g, u))
+
+
 SIMD = K.simd() != "portable"
 
 
