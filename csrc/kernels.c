@@ -798,7 +798,7 @@ static inline __attribute__((always_inline)) void row_q4k_avx2(
         const uint8_t *w, int64_t nsb, int64_t k, const int N, const int8_t *q, const float *d,
         const int16_t *bs16, float *out, int64_t stride) {
     float fa[KQ_MAX * KLANES];
-    memset(fa, 0, sizeof fa);
+    memset(fa, 0, sizeof(float) * KLANES * N); /* only the rows this call has: it runs once per weight row */
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *b = w + (size_t)s * 144;
         uint8_t t[16];
@@ -832,7 +832,7 @@ static inline __attribute__((always_inline)) void row_q6k_avx2(
         const uint8_t *w, int64_t nsb, int64_t k, const int N, const int8_t *q, const float *d,
         const int16_t *bs16, float *out, int64_t stride) {
     float fa[KQ_MAX * KLANES];
-    memset(fa, 0, sizeof fa);
+    memset(fa, 0, sizeof(float) * KLANES * N); /* only the rows this call has: it runs once per weight row */
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *b = w + (size_t)s * 210;
         const int8_t *sc = (const int8_t *)(b + 192);
@@ -998,14 +998,6 @@ static void *run_job(void *arg) {
     Job *jb = (Job *)arg;
     const size_t rb = row_bytes(jb->type, jb->k);
     const int64_t nsb = n_groups(jb->k), n = jb->n > 0 ? jb->n : 1;
-    const int64_t lanes = !jb->x && is_kquant(jb->type) ? KLANES : !jb->x && (jb->type == T_Q8_0 || jb->type == T_Q5_0 || jb->type == T_Q5_0R) ? 8 : 1;
-    float *acc = malloc(sizeof(float) * (size_t)(n * ROW_GROUP * lanes));
-    float *wf = jb->x ? malloc(sizeof(float) * QK) : NULL;
-    if (!acc || (jb->x && !wf)) { jb->failed = 1; free(acc); free(wf); return NULL; }
-    const size_t block = group_bytes(jb->type);
-    /* a few activation rows gain nothing from grouping: stream each weight row contiguously (the
-     * draft's batched levels of 3-4 rows ran 15% faster so, from DRAM-resident weights) */
-    const int64_t group = jb->n <= 4 ? 1 : ROW_GROUP;
 #ifdef LEVER_AVX2
     if (jb->corr) {
         /* the few-row 32-block kernel (AVX-512: Q8_0 / Q5_0 / Q5_0R; AVX2: Q5_0R), more than four rows
@@ -1023,8 +1015,6 @@ static void *run_job(void *arg) {
                                   jb->d + i0 * nsb, jb->corr + i0 * k4, jb->out + i0 * jb->out_stride, jb->out_stride);
 #endif
         }
-        free(acc);
-        free(wf);
         return NULL;
     }
 #endif
@@ -1038,11 +1028,17 @@ static void *run_job(void *arg) {
                 few_rows_kq_avx2(jb->type, jb->w, rb, s0, s1, jb->k, jb->n - i0 < KQ_MAX ? jb->n - i0 : KQ_MAX, jb->q + i0 * jb->k,
                                  jb->d + i0 * nsb, jb->bs16 + i0 * nsb * per, jb->out + i0 * jb->out_stride, jb->out_stride);
         }
-        free(acc);
-        free(wf);
         return NULL;
     }
 #endif
+    const int64_t lanes = !jb->x && is_kquant(jb->type) ? KLANES : !jb->x && (jb->type == T_Q8_0 || jb->type == T_Q5_0 || jb->type == T_Q5_0R) ? 8 : 1;
+    float *acc = malloc(sizeof(float) * (size_t)(n * ROW_GROUP * lanes));
+    float *wf = jb->x ? malloc(sizeof(float) * QK) : NULL;
+    if (!acc || (jb->x && !wf)) { jb->failed = 1; free(acc); free(wf); return NULL; }
+    const size_t block = group_bytes(jb->type);
+    /* a few activation rows gain nothing from grouping: stream each weight row contiguously (the
+     * draft's batched levels of 3-4 rows ran 15% faster so, from DRAM-resident weights) */
+    const int64_t group = jb->n <= 4 ? 1 : ROW_GROUP;
     for (int64_t j0 = jb->j0; j0 < jb->j1; j0 += group) {
         const int64_t rows = jb->j1 - j0 < group ? jb->j1 - j0 : group;
         const int64_t ahead = j0 + (group > PREFETCH_ROWS ? group : PREFETCH_ROWS);
