@@ -209,25 +209,27 @@ def _build_portable(tmp_path):
     return mod
 
 
-def test_portable_build_gives_the_same_bits(tmp_path):
+def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch):
     """The build without SIMD (what a machine without AVX2 compiles) gives the installed build's bits for
     every weight type in the GGUF layout, 1 to 13 activation rows, and for SwiGLU. It also catches a
     helper that only the SIMD branches define (a K-quant sum once was, and the portable build then
     called it undeclared)."""
-    P = _build_portable(tmp_path)
-    assert P.simd() == "portable"
-    for qtype, k in (("Q4_K", 768), ("Q6_K", 768), ("Q8_0", 896), ("Q5_0", 896)):
-        w, _ = weight(qtype, k, 41)
-        for rows in (1, 3, 5, 9, 13):
-            a = K.quantize_rows(activations(rows, k, seed=rows))
-            out = np.empty((rows, w.n), np.float32)
-            P.matmul(K.TYPES[qtype], w.data, w.n, w.k, a.q, a.d, a.bsums, None, rows, out, w.n, 2)
-            assert_bitwise(out, K.matmul(w, a, threads=2))
+    portable = _build_portable(tmp_path)
+    cases = [(qtype, k, rows) for qtype, k in (("Q4_K", 768), ("Q6_K", 768), ("Q8_0", 896), ("Q5_0", 896))
+             for rows in (1, 3, 5, 9, 13)]
     g = np.random.default_rng(3).uniform(-30, 30, 1000).astype(np.float32)
     u = np.random.default_rng(4).standard_normal(1000).astype(np.float32)
-    out = np.empty_like(g)
-    P.swiglu(g, u, out, g.size)
-    assert_bitwise(out, K.swiglu(g, u))
+
+    def results():
+        out = [K.matmul(weight(qtype, k, 41)[0], K.quantize_rows(activations(rows, k, seed=rows)), threads=2)
+               for qtype, k, rows in cases]
+        return out + [K.swiglu(g, u)]
+
+    installed = results()
+    monkeypatch.setattr(K, "_kernels", portable)  # the same wrapper over the other build
+    assert K.simd() == "portable"
+    for got, want in zip(results(), installed):
+        assert_bitwise(got, want)
 
 
 SIMD = K.simd() != "portable"
