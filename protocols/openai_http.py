@@ -23,7 +23,12 @@ Endpoints
          "usage": {"prompt_tokens", "completion_tokens", "total_tokens"},
          "timings": {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms",
                      "predicted_per_second", "draft_n", "draft_n_accepted",
-                     "cache_n", "passes", "mean_accepted", "flash_bytes_per_token"}}
+                     "cache_n", "passes", "mean_accepted", "flash_bytes_per_token",
+                     "seed"}}
+
+    ``timings.seed`` is the seed a sampled request drew from: its own, or the fresh one drawn
+    for a request that named none. Sent back as ``seed``, it gives the same text again (null
+    for greedy requests).
 
     With ``stream`` it is server-sent events, ``data: {chunk}\\n\\n`` each, then
     ``data: [DONE]\\n\\n``. Chunks are ``text_completion`` / ``chat.completion.chunk`` objects
@@ -51,7 +56,7 @@ from typing import Any
 
 from protocols.rpc import MAX_MESSAGES, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE
 
-API_VERSION = (1, 0)
+API_VERSION = (1, 1)  # 1.1: timings.seed
 #: The OpenAI API's default: sampled. Greedy output (equal to ``lever-actors generate``) needs
 #: ``temperature: 0``.
 DEFAULT_TEMPERATURE = 1.0
@@ -270,7 +275,10 @@ def timings(stats: dict, prompt_n: int, predicted_n: int, prompt_s: float, predi
             "draft_n": stats.get("draft_n", 0), "draft_n_accepted": stats.get("draft_n_accepted", 0),
             "cache_n": stats.get("cache_n", 0),
             "passes": stats.get("passes", 0), "mean_accepted": stats.get("mean_accepted"),
-            "flash_bytes_per_token": stats.get("flash_bytes_per_token")}
+            "flash_bytes_per_token": stats.get("flash_bytes_per_token"),
+            # the seed a sampled request drew from (its own, or a fresh one when it named none): sent
+            # back as ``seed``, it gives the same text again; None for greedy requests
+            "seed": stats.get("seed")}
 
 
 def completion(req: CompletionRequest, ident: str, created: int, text: str, finish_reason: str,

@@ -427,6 +427,26 @@ def test_engine_stop_string_across_a_token_boundary_is_held_back_then_dropped(en
     assert events[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_sampled_answer_names_its_seed_and_that_seed_gives_the_same_text(engine_http):
+    """An unseeded sampled request draws a fresh seed; the answer says which, so it can be asked for again."""
+    prompt = "def add(left, right):\n    return"
+    client = engine_http.openai()
+    model = client.models.list().data[0].id
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0.9)
+    seed = first.model_extra["timings"]["seed"]
+    assert isinstance(seed, int)
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0.9, seed=seed)
+    assert again.choices[0].text == first.choices[0].text and again.model_extra["timings"]["seed"] == seed
+    other = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0.9)
+    assert other.model_extra["timings"]["seed"] != seed  # a fresh draw each time
+    events = list(client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0.9, seed=seed,
+                                            stream=True))
+    assert "".join(e.choices[0].text for e in events if e.choices) == first.choices[0].text
+    assert events[-1].model_extra["timings"]["seed"] == seed
+    greedy = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    assert greedy.model_extra["timings"]["seed"] is None
+
+
 def test_real_pair_http_equals_the_socket(real_bundles, tmp_path):
     """The issue's acceptance, small: the real pair behind HTTP answers as the socket does."""
     target, draft = real_bundles
