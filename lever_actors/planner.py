@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lever_actors.sampling import tree_depths
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest static shape (token bucket) holding ``n`` rows; ``n`` itself with no buckets."""
     if not buckets:
@@ -198,9 +200,7 @@ def plan_tree(parents: np.ndarray, path_p: np.ndarray, cost, max_nodes: int, max
     """
     parents = np.asarray(parents)
     n = len(parents)
-    depth = np.zeros(n, int)
-    for i in range(1, n):
-        depth[i] = depth[parents[i]] + 1
+    depth = tree_depths(parents)
     chosen, chosen_set = [0], {0}
     gain = 1.0
     ratio = gain / cost(1)
@@ -368,9 +368,7 @@ class LeverPolicy:
     def select(self, parents: np.ndarray, draft_probs: np.ndarray, max_nodes: int,
                ngram: np.ndarray | None = None) -> list[int]:
         """Nodes (root first) of the drafted tree to verify this pass (``ngram`` marks free branch nodes)."""
-        depth = np.zeros(len(parents), int)
-        for i in range(1, len(parents)):
-            depth[i] = depth[parents[i]] + 1
+        depth = tree_depths(parents)
         if not self.costs.ready:  # first pass: nothing measured yet, verify what was drafted
             keep = list(range(min(len(parents), max_nodes + 1)))
         else:
