@@ -23,6 +23,7 @@ import numpy as np
 
 from lever_actors.sampling import tree_depths
 
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest static shape (token bucket) holding ``n`` rows; ``n`` itself with no buckets."""
     if not buckets:
