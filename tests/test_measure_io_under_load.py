@@ -11,6 +11,8 @@ def test_read_rate_wraps_around_the_file(tmp_path):
     path.write_bytes(os.urandom(3 * 8192 + 100))  # a tail shorter than a request is never read
     rate, _ = read_rate(str(path), 7 * 8192, 8192)  # more than the file: the reads wrap around
     assert rate > 0
+    with pytest.raises(ValueError, match="smaller than one request"):
+        read_rate(str(path), 8192, 64 * 8192)
 
 
 def test_a_load_runs_beside_the_measurement_and_is_gone_after_it():

@@ -55,6 +55,10 @@ def read_rate(path: str, nbytes: int, chunk: int) -> tuple[float, bool]:
     f = FlashFile(path)
     buf = aligned_buffer(chunk)
     size = os.fstat(f.fd).st_size // chunk * chunk
+    if not size:
+        f.close()
+        buf.close()
+        raise ValueError(f"{path} is smaller than one request of {chunk} bytes")
     try:
         done, off, t0 = 0, 0, time.perf_counter()
         while done < nbytes:
