@@ -3,10 +3,10 @@
     python tools/measure_io_under_load.py [--gb 0.9] [--rounds 3] [--json OUT]
 
 Reads the target bundle's flash file with O_DIRECT in layer-sized requests (as the
-FlashPrefetcher does) while 0, 1 or 2 other processes keep a core busy, in rounds that
-alternate the conditions. Two kinds of load: ``spin`` (a loop of integer arithmetic,
-no memory traffic) and ``matmul`` (the Q4_K kernel over 92 MB of weights, one thread: a
-verification lane's work). Prints the median read rate of each condition and its ratio to
+FlashPrefetcher does) while other processes keep no core, one core or every core busy, in
+rounds that alternate the conditions. Two kinds of load: ``spin`` (a loop of integer
+arithmetic, no memory traffic) and ``matmul`` (the Q4_K kernel over 92 MB of weights, one
+thread: a verification lane's work). Prints the median read rate of each condition and its ratio to
 reading alone.
 
 Why: lever's schedule (``lever_actors/schedule.py``) drafts beside the pass only while the
@@ -98,7 +98,8 @@ def main() -> None:
     target = load_bundle(fetch(("target",))["target"])
     region = max(target.manifest["layers"], key=lambda r: r["nbytes"])
     path, chunk = str(target.file(region["file"])), region["nbytes"] // 4096 * 4096
-    conditions = [(None, 0)] + [(kind, n) for kind in LOADS for n in (1, 2)]
+    cores = sorted({1, os.cpu_count() or 1})  # one busy core, then every core (two on the standard machine)
+    conditions = [(None, 0)] + [(kind, n) for kind in LOADS for n in cores]
     rates: dict[str, list[float]] = {}
     direct = True
     for r in range(a.rounds):
