@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lever_actors.bundle import load_bundle  # noqa: E402
-from lever_actors.flashio import FlashFile, aligned_buffer  # noqa: E402
+from lever_actors.flashio import PAGE, FlashFile, aligned_buffer  # noqa: E402
 from lever_actors.models import fetch  # noqa: E402
 
 SPIN = "x = 0\nwhile True:\n    x = (x * 1103515245 + 12345) & 0xFFFFFFFF\n"
@@ -54,30 +54,28 @@ def read_rate(path: str, nbytes: int, chunk: int) -> tuple[float, bool]:
     """(GB/s, O_DIRECT used) reading ``nbytes`` of ``path`` in ``chunk``-byte requests, wrapping around."""
     f = FlashFile(path)
     buf = aligned_buffer(chunk)
-    size = os.fstat(f.fd).st_size // chunk * chunk
-    if not size:
-        f.close()
-        buf.close()
-        raise ValueError(f"{path} is smaller than one request of {chunk} bytes")
     try:
+        size = os.fstat(f.fd).st_size // chunk * chunk
+        if not size:
+            raise ValueError(f"{path} is smaller than one request of {chunk} bytes")
         done, off, t0 = 0, 0, time.perf_counter()
         while done < nbytes:
             done += f.read_into(buf, off, chunk, "probe")
             off = (off + chunk) % size
         return done / (time.perf_counter() - t0) / 1e9, f.direct
     finally:
-        f.close()
-        buf.close()
+        f.close()  # the buffer goes with its last reference (a failed read's traceback may still hold a view of it)
 
 
 def with_load(kind: str | None, procs: int, fn):
-    """Run ``fn()`` while ``procs`` processes run the ``kind`` load (started, then given 1 s to warm up)."""
+    """Run ``fn()`` while ``procs`` processes run the ``kind`` load (given 1 s to start, the matmul load 3 s
+    to build its weights); they are killed and reaped whatever ``fn`` does."""
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     ps = [subprocess.Popen([sys.executable, "-c", LOADS[kind]], env=env) for _ in range(procs if kind else 0)]
     try:
         if ps:
-            time.sleep(1.0 if kind == "spin" else 3.0)  # the matmul load builds its weights first
+            time.sleep(1.0 if kind == "spin" else 3.0)
             if any(p.poll() is not None for p in ps):
                 raise RuntimeError(f"the {kind} load exited early")
         return fn()
@@ -97,7 +95,7 @@ def main() -> None:
         ap.error("--gb must be > 0 and --rounds >= 1")
     target = load_bundle(fetch(("target",))["target"])
     region = max(target.manifest["layers"], key=lambda r: r["nbytes"])
-    path, chunk = str(target.file(region["file"])), region["nbytes"] // 4096 * 4096
+    path, chunk = str(target.file(region["file"])), region["nbytes"] // PAGE * PAGE  # O_DIRECT: whole pages
     cores = sorted({1, os.cpu_count() or 1})  # one busy core, then every core (two on the standard machine)
     conditions = [(None, 0)] + [(kind, n) for kind in LOADS for n in cores]
     rates: dict[str, list[float]] = {}
