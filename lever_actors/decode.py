@@ -34,8 +34,10 @@ def check_context(n_prompt: int, max_tokens: int, context: int, slack: int = 0) 
     if n_prompt == 0:
         raise ValueError("the prompt is empty")
     if n_prompt + max_tokens + slack > context:
+        room = f"the context of {context} tokens" + (
+            f" less the {slack} slots a pass's tree takes ({context - slack} left for a request)" if slack else "")
         raise ContextOverflow(
-            f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of {context} tokens; "
+            f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds {room}; "
             "shorten the prompt, lower --max-tokens or raise --context"
         )
 

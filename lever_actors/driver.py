@@ -230,6 +230,16 @@ def _raise_fault(commit) -> None:
         raise FlashFault(commit.fault, commit.fault_retryable)
 
 
+def tree_slack(cfg) -> int:
+    """KV slots a pass needs past the committed tokens: its root and drafted nodes, padded to a bucket."""
+    return bucket_for((cfg.gamma if cfg.drafted else 0) + 1, cfg.buckets)
+
+
+def request_room(cfg) -> int:
+    """The most prompt tokens plus ``max_tokens`` one request may ask for (what the daemon admits)."""
+    return cfg.context - tree_slack(cfg)
+
+
 def tree_shape(mode: str, gamma: int) -> tuple[int, int]:
     """(children scored per node, depth cap) of the drafter's trees for a mode."""
     if mode == "flash-chain":
@@ -282,6 +292,9 @@ class Pipeline:
         Returns (token ids, finish reason, stats). Greedy output equals
         resident-ar output token for token, whatever the draft does.
         """
+        # refused before the session begins: an Abort must never name a session that has not started
+        # (the verifier would drop the next request's prefill and its client would wait for ever)
+        check_context(len(prompt_ids), max_tokens, self.target.context, slack=tree_slack(self.cfg))
         sid = self.session_id + 1
         finished = False
         try:
@@ -335,6 +348,7 @@ class Pipeline:
             await self._settle(g, commit)
             g.stats.pass_s += time.perf_counter() - t_pass
             g.cycle_tokens, g.cycle_parts = len(commit.tokens), (self._pass_reads(g), ps.compute_s)
+        await self._collect_outstanding(g)
         self._end_cycle(g)
         out = self._finish(g, finish, io_before, t_io0, t_start, t_decode, check0)
         for k, v0 in steer0.items():  # the exit layer's outcome predictions and the trees planted for them
@@ -344,11 +358,20 @@ class Pipeline:
             out[2]["deadline_stops"] = self.drafter.deadline_stops - stops0
         return out
 
+    async def _collect_outstanding(self, g: Generation) -> None:
+        """Take every draft answer still owed to this generation before it ends: the prefill's (when
+        the first commit already ended it) and those of a request still drafting ahead at the last
+        commit. Left in the one-message channels, each holds the drafter in a send; a few such
+        generations in a row filled every channel and the next request's first send waited for ever."""
+        if g.prefill_draft:
+            g.prefill_draft = False
+            await self._receive_drafts(g, max(g.spec.in_flight, 1))
+        await self._drop_stale(g)
+
     def _begin(self, prompt_ids, max_tokens, params) -> Generation:
         cfg = self.cfg
         gamma = cfg.gamma if cfg.drafted else 0
         top_k, max_depth = tree_shape(cfg.mode, gamma)
-        check_context(len(prompt_ids), max_tokens, self.target.context, slack=bucket_for(gamma + 1, cfg.buckets))
         self.session_id += 1
         params = replace(params, coupled=cfg.coupled)  # the mode's sampler (+no-coupled: rejection sampling)
         g = Generation(self.session_id, list(prompt_ids), max_tokens, params, gamma, top_k, max_depth, gamma)

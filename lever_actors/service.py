@@ -41,24 +41,25 @@ class EngineBackend:
 
     def describe(self) -> dict:
         from lever_actors.bundle import load_bundle
+        from lever_actors.driver import request_room
 
         models = {"target": str(self.tdir)}
         if self.ddir:
             models["draft"] = str(self.ddir)
         d = {"models": models, "mode": self.cfg.mode_string(),
-             "modes": [self.cfg.mode_string()], "context_length": self.cfg.context,
+             "modes": [self.cfg.mode_string()], "context_length": request_room(self.cfg),
              "dram_budget_bytes": self.cfg.dram_budget, "vocab_size": load_bundle(self.tdir).dims["vocab_size"]}
         if self.pipe is not None:
             d["plan"] = self.pipe.describe()
         return d
 
-    def _prompt_text(self, params: GenerateParams) -> str:
-        if params.messages is not None:
-            return self.tok.apply_chat_template(params.messages)
-        return params.prompt or ""
+    def _prompt_ids(self, params: GenerateParams) -> list[int]:
+        if params.messages is not None:  # the contents are plain text, whatever control texts they hold
+            return self.tok.encode_chat(params.messages)
+        return self.tok.encode(params.prompt or "")
 
     def count_prompt_tokens(self, params: GenerateParams) -> int:
-        return len(self.tok.encode(self._prompt_text(params)))
+        return len(self._prompt_ids(params))
 
     def pool_stats(self) -> dict:
         if self.pipe is None:
@@ -72,9 +73,10 @@ class EngineBackend:
             raise ConfigError(f"this daemon runs mode {self.cfg.mode_string()}; restart it with --mode {params.mode}")
         if self.pipe is None:
             raise RuntimeError("the pipeline is not running")
-        ids = self.tok.encode(self._prompt_text(params))
-        # no seed: a fresh one, so that unseeded sampled requests differ (as OpenAI's API does)
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        ids = self._prompt_ids(params)
+        # no seed: a fresh one, so that unseeded sampled requests differ (as OpenAI's API does); 53 bits,
+        # so that a JavaScript client reads the seed it is told back exactly (its numbers are doubles)
+        seed = params.seed if params.seed is not None else secrets.randbits(53)
         sampling = SamplingParams(params.temperature, params.top_p, seed)
         dec = self.tok.incremental_decoder()
         eos = set(self.tok.eos_ids)

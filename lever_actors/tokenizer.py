@@ -342,19 +342,55 @@ class TextTokenizer:
             ValueError: messages is empty or not a list of {"role", "content"} dicts with role
                 in system/user/assistant and str content.
         """
-        _check_messages(messages)
-        parts = []
-        if messages[0]["role"] != "system":
-            parts.append(f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n")
-        parts += [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
-        if add_generation_prompt:
-            parts.append("<|im_start|>assistant\n")
-        return "".join(parts)
+        return "".join(text for text, _ in _chat_pieces(messages, add_generation_prompt))
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of :meth:`apply_chat_template`'s text, with every message's content read as
+        plain text: a ``<|im_end|>`` that a user typed stays those characters, not the end of the
+        turn (else any message could write the next turns of the conversation itself). Content
+        without such markers gets exactly the ids of ``encode(apply_chat_template(...))``: control
+        tokens split the text into pieces that are encoded apart either way."""
+        ids: list[int] = []
+        run: list[str] = []
+
+        def flush() -> None:
+            if run:
+                was = self.tokenizer.encode_special_tokens
+                self.tokenizer.encode_special_tokens = True  # control texts inside the run are text
+                try:
+                    ids.extend(self.tokenizer.encode("".join(run), add_special_tokens=False).ids)
+                finally:
+                    self.tokenizer.encode_special_tokens = was
+                run.clear()
+
+        for text, control in _chat_pieces(messages, add_generation_prompt):
+            if control:
+                flush()
+                token = self.tokenizer.token_to_id(text)
+                if token is None:
+                    raise ModelError(f"this vocabulary has no {text} token: it cannot run the chat template")
+                ids.append(token)
+            else:
+                run.append(text)
+        flush()
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
     def _check_ids(self, ids: list[int]) -> None:
         for i in ids:
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"token id {i} outside the vocabulary [0, {self.vocab_size})")
+
+
+def _chat_pieces(messages: list[dict[str, str]], add_generation_prompt: bool):
+    """Qwen2.5-Instruct's ChatML as (text, is a control token) pieces, in order."""
+    _check_messages(messages)
+    start, end = ("<|im_start|>", True), ("<|im_end|>", True)
+    if messages[0]["role"] != "system":
+        yield from (start, (f"system\n{DEFAULT_SYSTEM_PROMPT}", False), end, ("\n", False))
+    for m in messages:
+        yield from (start, (f"{m['role']}\n", False), (m["content"], False), end, ("\n", False))
+    if add_generation_prompt:
+        yield from (start, ("assistant\n", False))
 
 
 def _check_messages(messages: Any) -> None:

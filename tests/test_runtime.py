@@ -776,3 +776,66 @@ def test_a_sampled_lever_pass_verifies_no_more_nodes_than_the_budget_plans_for(t
         trio.run(generate, cfg, target, target, ids, params)  # the draft is the target: every node pays
         rows[name] = max(len(p.tokens) for p in plans if not p.prefill)
     assert rows["coupled"] <= cap + 1 < rows["greedy"]
+
+
+@pytest.mark.parametrize("mode", ["lever:16", "flash-chain:3", "flash-chain:3+no-overlap"])
+@pytest.mark.parametrize("ending", ["length", "caller stop"])
+def test_generations_that_end_at_their_first_token_leave_the_drafter_free(tiny_bundles, ar_tokens, mode, ending):
+    """A generation whose prefill commit already ends it (max_tokens 1, or a stop string in the first
+    token) still collects the drafter's answer to the prefill: left in the one-message channels, three
+    such requests in a row held the drafter in a send and the fourth request waited for ever."""
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode(mode)
+    seen = {}
+
+    async def main():
+        with trio.fail_after(120):
+            async with open_pipeline(cfg, target, draft, set(tokenizer(target).eos_ids)) as pipe:
+                async def stop_at_once(_):
+                    return True
+
+                async def emit(_):
+                    return False
+
+                for _ in range(6):
+                    if ending == "length":
+                        out = await pipe.generate(ids, 1, SamplingParams(), emit)
+                    else:
+                        out = await pipe.generate(ids, TOKENS, SamplingParams(), stop_at_once)
+                    assert out[0] == ar_tokens[:1]
+                seen["toks"] = (await pipe.generate(ids, TOKENS, SamplingParams(), emit))[0]
+                seen["stale"] = pipe.stale
+
+    trio.run(main)
+    assert seen["toks"] == ar_tokens
+    assert seen["stale"] == 0  # every answer was taken by the generation that asked for it
+
+
+def test_a_request_refused_for_its_length_does_not_abort_the_next_one(tiny_bundles, ar_tokens):
+    """The context check comes before the session begins: an Abort for a refused request named the
+    next session, whose prefill the verifier then dropped, and its caller waited for ever."""
+    from lever_actors.driver import request_room
+    from lever_actors.errors import ContextOverflow
+
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode("lever:16")
+    room = request_room(cfg)
+    seen = {}
+
+    async def main():
+        with trio.fail_after(120):
+            async with open_pipeline(cfg, target, draft, set(tokenizer(target).eos_ids)) as pipe:
+                async def emit(_):
+                    return False
+
+                with pytest.raises(ContextOverflow, match=f"{room} left for a request"):
+                    await pipe.generate(ids, room - len(ids) + 1, SamplingParams(), emit)
+                seen["toks"] = (await pipe.generate(ids, TOKENS, SamplingParams(), emit))[0]
+                # the room the daemon admits is room the pipeline runs
+                seen["full"] = len((await pipe.generate(ids, room - len(ids), SamplingParams(), emit))[0])
+
+    trio.run(main)
+    assert seen["toks"] == ar_tokens
+    assert 1 <= seen["full"] <= room - len(ids)

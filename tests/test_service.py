@@ -177,4 +177,29 @@ def test_a_seed_names_one_text_in_every_mode_and_no_seed_draws_a_fresh_one(tiny_
         assert answer(base.with_mode(mode), 77) == want, mode
     drawn = []
     monkeypatch.setattr(secrets, "randbits", lambda k: drawn.append(k) or 77)
-    assert answer(base.with_mode("lever:8"), None) == want and drawn == [63]
+    assert answer(base.with_mode("lever:8"), None) == want and drawn == [53]
+
+
+def test_the_daemon_admits_exactly_the_room_its_pipeline_runs(engine_daemon, tiny_bundles):
+    """``limits.context_length`` is what a request may use: the context less a pass's tree. A request
+    in the gap between the two was admitted, then failed in the pipeline, and its Abort then named
+    the next request's session, which waited for ever."""
+    from lever_actors.errors import LeverError
+
+    _, sock = engine_daemon
+    n_prompt = len(TextTokenizer.from_file(tiny_bundles[0] / "tokenizer.json").encode(PROMPT))
+
+    async def main():
+        with trio.fail_after(120):
+            async with open_client(sock) as c:
+                room = (await c.hello())["limits"]["context_length"]
+                with pytest.raises(LeverError, match="context_length"):
+                    await c.generate(PROMPT, max_tokens=room - n_prompt + 1, temperature=0.0)
+                full = await c.generate(PROMPT, max_tokens=room - n_prompt, temperature=0.0)
+                after = await c.generate(PROMPT, max_tokens=30, temperature=0.0)
+                return room, full, after
+
+    room, full, after = trio.run(main)
+    assert room == 256 - 4  # flash-chain:3: a pass verifies the root and three drafted tokens
+    assert full.token_ids == resident_tokens(tiny_bundles[0], len(full.token_ids))
+    assert after.token_ids == resident_tokens(tiny_bundles[0], 30)
