@@ -239,10 +239,13 @@ class NpuVerifier:
             rows = np.arange(n)
         slots_list = [slots[lo:hi] for lo, hi in self._chunks]
         feeds_list = [self.m.feeds(positions[lo:hi], s, lay) for (lo, hi), s, lay in zip(self._chunks, slots_list, layouts)]
-        x = self.m.embedding.lookup(tokens)
+        acc = {"compute_s": 0.0, "wait_s": 0.0, "bytes_read": 0}
+        try:
+            x = self.m.embedding.lookup(tokens)
+        except FlashFault as exc:  # a row read back changed: this request fails, the verifier goes on
+            return self._lost_pass(plan, acc, exc)
         if not plan.prefill and plan.bucket > n:
             x, feeds_list, slots_list = self._pad(x, feeds_list, slots_list, n, plan.bucket - n)
-        acc = {"compute_s": 0.0, "wait_s": 0.0, "bytes_read": 0}
         prune = None
         if plan.exit_layers and not plan.prefill and self.exits_send is not None:
             prune = {"plan": plan, "alive": np.ones(n, bool), "pruned": []}
@@ -250,12 +253,8 @@ class NpuVerifier:
         self._use_threads(plan.threads or self.own_threads)
         try:
             scores = await self._stages(x, feeds_list, slots_list, rows, acc, plan, prune)
-        except FlashFault as exc:  # this pass is lost, the verifier is not: the driver fails the request
-            self.faults += 1
-            return VerifyDone(session_id=plan.session_id, step=plan.step, epoch=plan.epoch,
-                              node_ids=np.zeros(0, np.int32), handle=0, compute_s=acc["compute_s"],
-                              io_wait_s=acc["wait_s"], bytes_read=acc["bytes_read"], prefill=plan.prefill,
-                              fault=str(exc), fault_retryable=exc.retryable)
+        except FlashFault as exc:
+            return self._lost_pass(plan, acc, exc)
         finally:
             for slot in list(self.taken):  # cancelled or aborted mid-pass: its slots go back
                 self.taken.discard(slot)
@@ -289,6 +288,14 @@ class NpuVerifier:
             temperature=plan.temperature, top_p=plan.top_p, seed=plan.seed, cache_n=cache_n,
             coupled=plan.coupled, position=plan.position + (int(plan.depths[-1]) if plan.prefill else 0),
         )
+
+    def _lost_pass(self, plan: VerifyPlan, acc: dict, exc: FlashFault) -> VerifyDone:
+        """This pass is lost, the verifier is not: the driver fails the request with the fault."""
+        self.faults += 1
+        return VerifyDone(session_id=plan.session_id, step=plan.step, epoch=plan.epoch,
+                          node_ids=np.zeros(0, np.int32), handle=0, compute_s=acc["compute_s"],
+                          io_wait_s=acc["wait_s"], bytes_read=acc["bytes_read"], prefill=plan.prefill,
+                          fault=str(exc), fault_retryable=exc.retryable)
 
     async def _next_session(self, stage: int, first: bool):
         """The built session of ``stage``; the first stage of a pass skips what an aborted pass left."""

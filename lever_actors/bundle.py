@@ -248,6 +248,24 @@ def read_region(bundle: Bundle, region: Region, verify: bool = True) -> bytearra
     return buf
 
 
+def span_digest(fd: int, offset: int, nbytes: int, what: str, chunk: int = 4 << 20) -> str:
+    """:func:`fast_digest` of ``nbytes`` at ``offset`` of the open file ``fd``, read a chunk at a time:
+    for a span that never sits in DRAM whole (the embedding table, read a row at a time). Its
+    page-cache pages are dropped behind it, as :func:`read_region` drops its own."""
+    h, buf = xxhash.xxh3_128(), bytearray(min(chunk, max(nbytes, 1)))
+    view, pos, end = memoryview(buf), offset, offset + nbytes
+    while pos < end:
+        n = os.preadv(fd, [view[:min(len(buf), end - pos)]], pos)
+        if n <= 0:
+            raise ModelError(f"{what} is truncated at offset {pos} ({end - pos} of its {nbytes} bytes missing); "
+                             "convert the GGUF again")
+        h.update(view[:n])
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, pos, n, os.POSIX_FADV_DONTNEED)
+        pos += n
+    return h.hexdigest()
+
+
 def verify_bundle(bundle: Bundle, progress=None) -> list[str]:
     """Check every region's bytes against the manifest's SHA-256 (the embedding table, each layer,
     each LM head slice); returns one line per bad region, empty when the bundle is intact."""

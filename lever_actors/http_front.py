@@ -455,7 +455,7 @@ class _HttpConnection:
         failure: Exception | None = None
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_disconnect, nursery.cancel_scope)
+                nursery.start_soon(self._watch_disconnect, nursery.cancel_scope, job)
                 try:
                     with exchange.receive:
                         if req.stream:
@@ -474,7 +474,7 @@ class _HttpConnection:
             raise ClientGone  # the watcher saw the client leave
         return 200
 
-    async def _watch_disconnect(self, scope: trio.CancelScope) -> None:
+    async def _watch_disconnect(self, scope: trio.CancelScope, job: Job) -> None:
         """While the job runs, a read that ends means the client left: cancel at once.
 
         A client that sends its next request early (pipelining) is not gone: the bytes are kept
@@ -486,8 +486,12 @@ class _HttpConnection:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 data = b""
             if not data:
-                log.info("http conn=%d: client disconnected; cancelling its request", self.id)
-                scope.cancel()
+                # A client that read its whole answer closes at once, often before this exchange
+                # has wound down (the job ended before its answer was sent): there is nothing to
+                # cancel then, and the rest of the answer, if any, fails on its own as ClientGone.
+                if job.state in ("queued", "running"):
+                    log.info("http conn=%d: client disconnected; cancelling its request", self.id)
+                    scope.cancel()
                 return
             try:
                 self.h11.receive_data(data)

@@ -43,10 +43,14 @@ Endpoints
 
 Errors are ``{"error": {"message", "type", "param", "code"}}`` with status 400 (bad JSON or a bad
 or unsupported parameter, named in ``param``; a context overflow gives both token counts), 401
-(missing or wrong API key), 404 (unknown route or model), 405, 408 (request not sent in time),
-413 (body over the limit, refused before it is read), 431 (headers too many or too large),
+(missing or wrong API key), 404 (unknown route, code ``unknown_route``, or model, ``param``
+``model`` and code ``model_not_found`` as OpenAI's API answers), 405, 408 (request not sent in
+time), 413 (body over the limit, refused before it is read), 431 (headers too many or too large),
 429 with ``Retry-After`` (queue full),
-503 (loading or shutting down), 505 (not HTTP/1.x), 500 (the generation failed).
+503 (loading or shutting down), 505 (not HTTP/1.x), 500 (the generation failed). ``type`` follows
+the status as OpenAI's does: ``invalid_request_error`` for 400, 404, 405, 413, 431 and 505,
+``authentication_error`` for 401, ``timeout_error`` for 408, ``rate_limit_error`` for 429 and
+``server_error`` for 500 and 503.
 """
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ from typing import Any
 
 from protocols.rpc import MAX_MESSAGES, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE
 
-API_VERSION = (1, 1)  # 1.1: timings.seed
+API_VERSION = (1, 2)  # 1.1: timings.seed; 1.2: a 404 is typed invalid_request_error, as OpenAI types it
 #: The OpenAI API's default: sampled. Greedy output (equal to ``lever-actors generate``) needs
 #: ``temperature: 0``.
 DEFAULT_TEMPERATURE = 1.0
@@ -79,7 +83,9 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 class ApiError(Exception):
     """An OpenAI-shaped error: HTTP ``status``, and the body's ``message``/``type``/``param``/``code``."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    # as OpenAI's API types them: a 404 (an unknown model, code model_not_found, or route) is an
+    # invalid_request_error there, which its clients' error handling expects
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
              405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
              429: "rate_limit_error", 431: "invalid_request_error", 500: "server_error",
              503: "server_error", 505: "invalid_request_error"}

@@ -61,7 +61,9 @@ Methods
     {"max_message_bytes": int, "queue_depth": int, "max_tokens": int,
     "context_length": int, "max_connections": int, "stall_timeout_s": float}}``.
     ``http`` is where the same daemon serves the OpenAI-compatible HTTP API
-    (``protocols/openai_http.py``), nil when it does not.
+    (``protocols/openai_http.py``), nil when it does not. ``context_length``
+    is what one request may use, prompt tokens plus ``max_tokens``: the
+    pipeline's context less the KV slots a verification pass's tree takes.
 
 ``generate`` {prompt?: str, messages?: [{role: str, content: str}],
 max_tokens?: int = 128, temperature?: float = 0.0, top_p?: float = 1.0,
@@ -71,8 +73,10 @@ seed?: int | nil, stop?: [str] = [], mode?: str | nil, cache_prompt?: bool = tru
     limits.max_tokens``; ``0 <= temperature <= 2``; ``0 < top_p <= 1``;
     ``0 <= seed < 2**64`` (a sampled request without one gets a fresh
     random seed; greedy ignores it); at most 16 ``stop`` strings of 1 to 256
-    characters; ``mode`` one of ``hello``'s ``modes``, optionally followed by
-    ``:PARAM`` for the backend (``flash-chain:8``). If the prompt's
+    characters; ``mode`` one of ``hello``'s ``modes``; or a bare name among
+    them followed by ``:PARAM`` for the backend (``flash-chain:8``); or the
+    bare name of one of them, which runs that one (``lever`` for a daemon
+    whose ``modes`` are ``["lever:32"]``). If the prompt's
     token count plus ``max_tokens`` exceeds ``limits.context_length`` the
     answer is ``context_overflow``. The request is queued FIFO (one
     generation runs at a time); when ``queue_depth`` requests already wait,
@@ -448,6 +452,25 @@ def _check_messages(p: _Params, value: Any) -> list[dict]:
     return out
 
 
+def _mode_name(mode: str) -> str:
+    """'lever:32+no-prune' -> 'lever': the mode without its parameter and flags."""
+    return mode.partition(":")[0].partition("+")[0]
+
+
+def _daemon_mode(p: _Params, mode: str, modes: tuple[str, ...]) -> str:
+    """The mode a generate request runs in: one of ``modes`` exactly; a bare name in ``modes`` with a
+    parameter for the backend (``flash-chain:4`` where ``flash-chain`` is offered); or the bare name
+    of an offered mode (``lever`` where the daemon runs ``lever:32``), which becomes that mode: a
+    client that names the mode without the daemon's parameter asks for the mode it is running."""
+    if mode in modes or mode.partition(":")[0] in modes:
+        return mode
+    if mode == _mode_name(mode):
+        for offered in modes:
+            if _mode_name(offered) == mode:
+                return offered
+    raise p.error(f"mode must be one of {', '.join(modes) or '(none)'}, got {mode!r}")
+
+
 def check_generate(request: Request, *, max_tokens_limit: int, modes: tuple[str, ...]) -> dict:
     """Validate a ``generate`` request.
 
@@ -473,8 +496,8 @@ def check_generate(request: Request, *, max_tokens_limit: int, modes: tuple[str,
         if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
             raise p.error(f"stop[{i}] must be a string of 1 to {MAX_STOP_CHARS} characters")
     mode = p.string("mode")
-    if mode is not None and mode not in modes and mode.partition(":")[0] not in modes:
-        raise p.error(f"mode must be one of {', '.join(modes) or '(none)'}, got {mode!r}")
+    if mode is not None:
+        mode = _daemon_mode(p, mode, modes)
     out = {
         "prompt": prompt,
         "messages": messages,

@@ -538,6 +538,29 @@ async def test_hello_models_health_and_stats_describe_the_daemon(tmp_path):
 
 
 @trio_autojump
+async def test_a_request_naming_the_running_mode_without_its_parameter_runs_it(tmp_path):
+    """A daemon started with ``--mode lever`` offers ``lever:32``: a request for ``lever`` (what
+    ``generate --socket auto --mode lever`` sends) runs in it; other modes are still refused."""
+    ran = []
+
+    class Recording(FakeBackend):
+        async def generate(self, params, emit):
+            ran.append(params.mode)
+            return await super().generate(params, emit)
+
+    backend = Recording(modes=("lever:32+no-prune", "flash-ar"))
+    async with running_daemon(tmp_path / "d.sock", backend):
+        conn = await RawConnection.open(tmp_path / "d.sock")
+        for i, mode in enumerate(["lever", "lever:32+no-prune", "flash-ar"]):
+            _, reply = await conn.request(i, "generate", {"prompt": "a b", "max_tokens": 2, "mode": mode})
+            assert reply[2] is None, reply
+        for i, mode in enumerate(["lever:16", "lever:32", "lever+no-prune", "flash-chain", "flash", "warp"], 10):
+            _, reply = await conn.request(i, "generate", {"prompt": "a b", "max_tokens": 2, "mode": mode})
+            assert reply[2]["code"] == "invalid_params" and "mode must be one of" in reply[2]["message"], mode
+    assert ran == ["lever:32+no-prune", "lever:32+no-prune", "flash-ar"]
+
+
+@trio_autojump
 async def test_too_many_connections_get_busy_and_are_closed(tmp_path):
     async with running_daemon(tmp_path / "d.sock", max_connections=2):
         kept = [await RawConnection.open(tmp_path / "d.sock") for _ in range(2)]

@@ -225,3 +225,83 @@ def test_read_faults_on_a_real_streamed_layer_fail_the_request_and_the_next_is_e
     for (failed, freed), (after, freed_after) in zip(rest[::2], rest[1::2]):
         assert isinstance(failed, FlashFault) and name in str(failed), failed
         assert after == ref and freed and freed_after
+
+
+def flip_embedding_row(bundle: Path, token: int) -> None:
+    """Change one byte of embedding row ``token`` of ``bundle`` in place."""
+    e = load_bundle(bundle).embedding
+    at = e["offset"] + token * e["row_bytes"]
+    with open(bundle / e["file"], "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def damaged_embedding_copy(bundle: Path, tmp: Path, token: int) -> Path:
+    out = tmp / bundle.name
+    shutil.copytree(bundle, out)
+    flip_embedding_row(out, token)
+    return out
+
+
+def prompt_token(bundle: Path) -> int:
+    return TextTokenizer.from_file(bundle / "tokenizer.json").encode(PROMPT)[0]
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_a_changed_byte_in_the_embedding_table_is_refused_at_load(tiny_bundles, tmp_path, which):
+    """The rows are read on demand, never as one region: the whole table is checked when it opens."""
+    i = ("target", "draft").index(which)
+    bundles = list(tiny_bundles)
+    bundles[i] = damaged_embedding_copy(bundles[i], tmp_path, prompt_token(bundles[i]))
+    with pytest.raises(ModelError, match="embedding: checksum mismatch") as info:
+        generate_all(EngineConfig(mode="lever", gamma=6, **STREAMED), *bundles, Faults(), [lambda: None])
+    assert str(bundles[i]) in str(info.value)
+
+
+def test_generate_on_a_damaged_embedding_table_fails_without_output(tiny_bundles, tmp_path, capsys):
+    from lever_actors.cli import main
+
+    target = damaged_embedding_copy(tiny_bundles[0], tmp_path, prompt_token(tiny_bundles[0]))
+    code = main(["generate", PROMPT, "--max-tokens", "8", "--mode", "flash-ar", "--target", str(target),
+                 "--context", "128", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and "embedding: checksum mismatch" in err
+
+
+def test_an_embedding_row_changed_after_it_was_read_is_refused(tiny_bundles, tmp_path):
+    """A row read again must match its first read: a file changed in place under the process is a
+    FlashFault that fails the request (its pass is lost, the verifier goes on), never rows computed on."""
+    target = tmp_path / "target"
+    shutil.copytree(tiny_bundles[0], target)
+    token = TextTokenizer.from_file(target / "tokenizer.json").encode(PROMPT)[-1]  # read again: not cached
+    results = generate_all(EngineConfig(mode="lever", gamma=6, **STREAMED), target, tiny_bundles[1], Faults(),
+                           [lambda: None, lambda: flip_embedding_row(target, token), lambda: None])
+    fault = results[1][0]
+    assert isinstance(fault, FlashFault) and not fault.retryable
+    assert f"embedding row {token}" in str(fault) and "changed in place" in str(fault)
+    assert isinstance(results[2][0], FlashFault)  # and so does every later request: the row stays changed
+    assert all(back for _, back in results)  # every stream buffer came back
+
+
+def test_a_transient_bad_read_of_an_embedding_row_is_read_again(tiny_bundles, monkeypatch):
+    from lever_actors import model
+
+    table = model.EmbeddingTable(load_bundle(tiny_bundles[0]))
+    first = table.lookup([5, 7])
+    real, calls = model.read_raw_rows, []
+
+    def zeros_once(*args):
+        raw = real(*args)
+        if not calls:
+            raw[0] = 0
+        calls.append(args)
+        return raw
+
+    monkeypatch.setattr(model, "read_raw_rows", zeros_once)
+    try:
+        again = table.lookup([5, 7])
+    finally:
+        table.close()
+    assert np.array_equal(first, again) and len(calls) == 2  # row 5 was read once more

@@ -193,7 +193,17 @@ def test_bad_completion_bodies_get_openai_shaped_errors(server, body, status, pa
     assert r.status_code == status
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert error["param"] == param
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_an_unknown_model_is_answered_as_openai_does(server):
+    """404, type invalid_request_error, code model_not_found: what OpenAI's clients check."""
+    with pytest.raises(openai.NotFoundError) as info:
+        server.openai().completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    assert info.value.status_code == 404
+    assert info.value.body["type"] == "invalid_request_error" and info.value.body["code"] == "model_not_found"
+    r = httpx.get(server.url + "/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_chat_tools_are_refused_by_name(server):
@@ -277,6 +287,38 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(tmp_path, serv
     wait_until(lambda: all_buffers_free(s))
     got = s.openai().completions.create(model="fake-target", prompt=PROMPT, max_tokens=5, temperature=0)
     assert got.choices[0].text == expected_tokens(params(PROMPT, max_tokens=5))[1]
+    for stream in (False, True):  # answered in full, then closed: no cancellation to report
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": stream},
+                          timeout=30).status_code == 200
+    assert s.log.read_text().count("client disconnected; cancelling") == 1
+
+
+@pytest.mark.parametrize("state", ["queued", "running", "done", "failed", "cancelled"])
+def test_a_closed_connection_cancels_and_is_logged_only_while_its_request_runs(caplog, state):
+    """A client closes as soon as it has read its whole answer, often before the exchange has wound
+    down: with its job finished, that is no disconnection to cancel or log."""
+    import logging
+    from types import SimpleNamespace
+
+    import trio
+
+    from lever_actors.http_front import _HttpConnection
+
+    class Closed:  # the client's end of the connection is closed
+        async def receive_some(self, max_bytes):
+            return b""
+
+    conn = _HttpConnection(SimpleNamespace(config=SimpleNamespace(max_header_bytes=8192)), Closed(), 7)
+
+    async def watch():
+        with trio.CancelScope() as scope:
+            await conn._watch_disconnect(scope, SimpleNamespace(state=state))
+        return scope.cancel_called
+
+    running = state in ("queued", "running")
+    with caplog.at_level(logging.INFO, logger="lever_actors.http_front"):
+        assert trio.run(watch) == running
+    assert ("client disconnected" in caplog.text) == running
 
 
 def test_a_queued_client_that_disconnects_is_withdrawn_and_a_full_queue_is_429(tmp_path, servers):
