@@ -435,7 +435,10 @@ class _HttpConnection:
             return d.admit(exchange, 0, params, n_prompt)
         except RpcError as exc:
             d.counters["rejected_busy" if exc.code == ErrorCode.BUSY else "rejected_invalid"] += 1
-            raise _api_error(exc.code, exc.message) from None
+            err = _api_error(exc.code, exc.message)
+            if exc.code == ErrorCode.CONTEXT_OVERFLOW:  # as OpenAI names it: the input that is too long
+                err.param = "messages" if req.messages is not None else "prompt"
+            raise err from None
         except ValueError as exc:  # the chat template refused the messages
             d.counters["rejected_invalid"] += 1
             raise api.ApiError(400, str(exc), param="messages", code="invalid_value") from None

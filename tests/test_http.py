@@ -220,6 +220,10 @@ def test_context_overflow_gives_both_token_counts(server):
     assert r.status_code == 400
     message = r.json()["error"]["message"]
     assert "6001" in message and "4000" in message and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "prompt"
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 4000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
 def test_unknown_route_wrong_method_and_an_oversized_body(server):
@@ -487,6 +491,20 @@ def test_a_sampled_answer_names_its_seed_and_that_seed_gives_the_same_text(engin
     assert events[-1].model_extra["timings"]["seed"] == seed
     greedy = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
     assert greedy.model_extra["timings"]["seed"] is None
+
+
+def test_an_sdk_call_without_max_tokens_runs_and_the_next_one_is_served(engine_http):
+    """The OpenAI SDK sends no max_tokens by default: the answer may use the room the context leaves
+    (it was refused, the room not counting a pass's tree), and a request that ends at its first token
+    leaves the daemon serving (a few in a row once held the drafter and every later request)."""
+    client = engine_http.openai()
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens >= 1
+    for i in range(5):
+        one = client.completions.create(model=model, prompt=f"x = {i}", max_tokens=1, temperature=0)
+        assert one.usage.completion_tokens == 1
+    assert client.completions.create(model=model, prompt="def f(", max_tokens=4, temperature=0).choices[0].text
 
 
 def test_real_pair_http_equals_the_socket(real_bundles, tmp_path):
