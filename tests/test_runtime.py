@@ -778,6 +778,24 @@ def test_a_sampled_lever_pass_verifies_no_more_nodes_than_the_budget_plans_for(t
     assert rows["coupled"] <= cap + 1 < rows["greedy"]
 
 
+def on_one_pipeline(cfg, target, draft, body):
+    """``await body(pipe)`` on one pipeline, failing rather than hanging when a request never ends."""
+    async def main():
+        with trio.fail_after(120):
+            async with open_pipeline(cfg, target, draft, set(tokenizer(target).eos_ids)) as pipe:
+                return await body(pipe)
+
+    return trio.run(main)
+
+
+async def never_stop(_):
+    return False
+
+
+async def stop_at_once(_):
+    return True
+
+
 @pytest.mark.parametrize("mode", ["lever:16", "flash-chain:3", "flash-chain:3+no-overlap"])
 @pytest.mark.parametrize("ending", ["length", "caller stop"])
 def test_generations_that_end_at_their_first_token_leave_the_drafter_free(tiny_bundles, ar_tokens, mode, ending):
@@ -786,30 +804,17 @@ def test_generations_that_end_at_their_first_token_leave_the_drafter_free(tiny_b
     such requests in a row held the drafter in a send and the fourth request waited for ever."""
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
-    cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode(mode)
-    seen = {}
 
-    async def main():
-        with trio.fail_after(120):
-            async with open_pipeline(cfg, target, draft, set(tokenizer(target).eos_ids)) as pipe:
-                async def stop_at_once(_):
-                    return True
+    async def body(pipe):
+        for _ in range(6):
+            n, emit = (1, never_stop) if ending == "length" else (TOKENS, stop_at_once)
+            assert (await pipe.generate(ids, n, SamplingParams(), emit))[0] == ar_tokens[:1]
+        return (await pipe.generate(ids, TOKENS, SamplingParams(), never_stop))[0], pipe.stale
 
-                async def emit(_):
-                    return False
-
-                for _ in range(6):
-                    if ending == "length":
-                        out = await pipe.generate(ids, 1, SamplingParams(), emit)
-                    else:
-                        out = await pipe.generate(ids, TOKENS, SamplingParams(), stop_at_once)
-                    assert out[0] == ar_tokens[:1]
-                seen["toks"] = (await pipe.generate(ids, TOKENS, SamplingParams(), emit))[0]
-                seen["stale"] = pipe.stale
-
-    trio.run(main)
-    assert seen["toks"] == ar_tokens
-    assert seen["stale"] == 0  # every answer was taken by the generation that asked for it
+    toks, stale = on_one_pipeline(EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode(mode),
+                                  target, draft, body)
+    assert toks == ar_tokens
+    assert stale == 0  # every answer was taken by the generation that asked for it
 
 
 def test_a_request_refused_for_its_length_does_not_abort_the_next_one(tiny_bundles, ar_tokens):
@@ -822,20 +827,14 @@ def test_a_request_refused_for_its_length_does_not_abort_the_next_one(tiny_bundl
     ids = tokenizer(target).encode(PROMPT)
     cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode("lever:16")
     room = request_room(cfg)
-    seen = {}
 
-    async def main():
-        with trio.fail_after(120):
-            async with open_pipeline(cfg, target, draft, set(tokenizer(target).eos_ids)) as pipe:
-                async def emit(_):
-                    return False
+    async def body(pipe):
+        with pytest.raises(ContextOverflow, match=f"{room} left for a request"):
+            await pipe.generate(ids, room - len(ids) + 1, SamplingParams(), never_stop)
+        toks = (await pipe.generate(ids, TOKENS, SamplingParams(), never_stop))[0]
+        # the room the daemon admits is room the pipeline runs
+        return toks, len((await pipe.generate(ids, room - len(ids), SamplingParams(), never_stop))[0])
 
-                with pytest.raises(ContextOverflow, match=f"{room} left for a request"):
-                    await pipe.generate(ids, room - len(ids) + 1, SamplingParams(), emit)
-                seen["toks"] = (await pipe.generate(ids, TOKENS, SamplingParams(), emit))[0]
-                # the room the daemon admits is room the pipeline runs
-                seen["full"] = len((await pipe.generate(ids, room - len(ids), SamplingParams(), emit))[0])
-
-    trio.run(main)
-    assert seen["toks"] == ar_tokens
-    assert 1 <= seen["full"] <= room - len(ids)
+    toks, full = on_one_pipeline(cfg, target, draft, body)
+    assert toks == ar_tokens
+    assert 1 <= full <= room - len(ids)
