@@ -768,8 +768,14 @@ def serve_main(args: argparse.Namespace, make_backend: Callable[[argparse.Namesp
         factory = load_backend_factory(args.backend) if getattr(args, "backend", None) else make_backend
         backend = factory(args)
         trio.run(_serve_until_signal, config, backend, files)
-    except LeverError as exc:
-        print(f"lever-actors serve: {exc}", file=sys.stderr)
+    except (LeverError, BaseExceptionGroup) as exc:
+        # a task's refusal (the HTTP port in use) reaches here inside trio's exception group
+        found, other = (exc, None) if isinstance(exc, LeverError) else exc.split(LeverError)
+        if found is None or other is not None:  # anything else is a defect: its traceback stays
+            raise
+        while isinstance(found, BaseExceptionGroup):
+            found = found.exceptions[0]
+        print(f"lever-actors serve: {found}", file=sys.stderr)
         return 1
     finally:
         files.release()

@@ -123,7 +123,13 @@ class HttpFront:
 
     async def serve(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``config.host:port`` and serve until :meth:`stop`."""
-        listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
+        try:
+            listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
+        except OSError as exc:  # a port in use, a host not ours: one line naming the address
+            from lever_actors.errors import ConfigError
+
+            raise ConfigError(f"--http cannot listen on {self.config.host}:{self.config.port}: "
+                              f"{exc.strerror or exc}") from None
         self.address = listeners[0].socket.getsockname()[:2]
         log.info("http listening on %s:%d", *self.address)
         async with trio.open_nursery() as nursery:

@@ -532,3 +532,17 @@ def test_real_pair_http_equals_the_socket(real_bundles, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(EXIT_S)
+
+
+def test_a_port_in_use_is_one_line_naming_the_address(tmp_path):
+    """Not an exception group of 50 lines after the models load: what is wrong, and where."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = start_daemon(tmp_path / "lever.sock", tmp_path / "daemon.log", "--http", f"127.0.0.1:{port}")
+        assert proc.wait(EXIT_S) == 1
+    log = (tmp_path / "daemon.log").read_text()
+    assert f"--http cannot listen on 127.0.0.1:{port}" in log and "Traceback" not in log
