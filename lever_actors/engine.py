@@ -336,8 +336,15 @@ def _buckets(text: str | None) -> tuple[int, ...]:
 
 
 def sampling_from_args(args) -> SamplingParams:
+    from protocols.rpc import MAX_SEED, MAX_TEMPERATURE
+
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    # the daemon's ranges (and OpenAI's), so that a command that runs locally also runs through --socket
+    if not 0 <= args.temperature <= MAX_TEMPERATURE:
+        raise ConfigError(f"--temperature must lie in 0..{MAX_TEMPERATURE:g}, got {args.temperature:g}")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
+        raise ConfigError(f"--seed must lie in 0..{MAX_SEED}, got {args.seed}")
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
 
 

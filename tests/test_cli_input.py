@@ -235,3 +235,12 @@ def test_a_sweep_budget_without_a_unit_is_named_in_its_refusal(capsys, tiny_bund
                  "--humaneval", "0:1", "--max-tokens", "2", "--context", "400", "--warmup", "0", "--json", str(out)])
     assert code == 0
     assert "did you mean 768MiB?" in json.loads(out.read_text())["refused"]["flash-ar@768"]
+
+
+@pytest.mark.parametrize("argv,says", [(("--temperature", "3"), "--temperature must lie in 0..2, got 3"),
+                                       (("--seed", "-1"), "--seed must lie in 0.."),
+                                       (("--temperature", "-1"), "--temperature must lie in 0..2")])
+def test_sampling_ranges_are_the_daemons(capsys, tiny_bundles, argv, says):
+    """A command that runs locally must also run through --socket: the same ranges, refused before loading."""
+    code, out = run(capsys, "generate", "x", "--target", str(tiny_bundles[0]), "--max-tokens", "2", *argv)
+    one_line_error(code, out, says)
