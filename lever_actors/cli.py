@@ -7,7 +7,7 @@ import sys
 import time
 
 from lever_actors import __version__
-from lever_actors.errors import BudgetError, ConfigError, LeverError
+from lever_actors.errors import BudgetError, ConfigError, LeverError, first_leaf
 
 EPILOG = """\
 examples:
@@ -362,13 +362,6 @@ def cmd_serve(args) -> int:
     return serve_main(args, make_backend)
 
 
-def _first_leaf(group: BaseExceptionGroup) -> BaseException:
-    e: BaseException = group
-    while isinstance(e, BaseExceptionGroup):
-        e = e.exceptions[0]
-    return e
-
-
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -380,7 +373,7 @@ def main(argv=None) -> int:
             return {"models": cmd_models, "convert": cmd_convert, "generate": cmd_generate,
                     "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
         except BaseExceptionGroup as group:  # an actor's error surfaces through trio's nursery
-            leaf = _first_leaf(group)
+            leaf = first_leaf(group)
             if isinstance(leaf, (LeverError, ValueError, OSError, KeyboardInterrupt)):
                 raise leaf from group
             raise

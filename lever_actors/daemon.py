@@ -40,7 +40,7 @@ from lever_actors import __version__
 from lever_actors.backend import Backend, GenerateParams
 from lever_actors.client import default_socket_path
 from lever_actors.daemon_files import SocketFiles
-from lever_actors.errors import ConfigError, ContextOverflow, DaemonAlreadyRunning, FlashFault, LeverError
+from lever_actors.errors import ConfigError, ContextOverflow, DaemonAlreadyRunning, FlashFault, LeverError, first_leaf
 from lever_actors.http_front import HttpConfig, HttpFront, parse_address
 from protocols import rpc
 from protocols.rpc import ErrorCode, RpcError
@@ -773,9 +773,7 @@ def serve_main(args: argparse.Namespace, make_backend: Callable[[argparse.Namesp
         found, other = (exc, None) if isinstance(exc, LeverError) else exc.split(LeverError)
         if found is None or other is not None:  # anything else is a defect: its traceback stays
             raise
-        while isinstance(found, BaseExceptionGroup):
-            found = found.exceptions[0]
-        print(f"lever-actors serve: {found}", file=sys.stderr)
+        print(f"lever-actors serve: {first_leaf(found)}", file=sys.stderr)
         return 1
     finally:
         files.release()

@@ -76,3 +76,11 @@ class RemoteError(LeverError):
             return cls(str(error.get("code", "internal")), str(error.get("message", "")),
                        bool(error.get("retryable", False)))
         return cls("internal", f"malformed error value from daemon: {error!r:.200}")
+
+
+def first_leaf(error: BaseException) -> BaseException:
+    """The first error inside trio's (nested) exception groups, or ``error`` itself: an actor's or a
+    task's error reaches the command line wrapped by every nursery it passed through."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
