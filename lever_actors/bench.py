@@ -46,6 +46,15 @@ def humaneval_prompts(spec: str) -> list[tuple[int, str]]:
     return [(i, rows[i]["prompt"]) for i in range(a, b)]
 
 
+def bench_prompts(args) -> list[tuple[int, str]]:
+    """The prompts of a bench run: a --prompts file or a --humaneval range (default 0:4), never both
+    (a run that silently took one of two would be reported as the other)."""
+    humaneval, path = getattr(args, "humaneval", None), getattr(args, "prompts", None)
+    if humaneval is not None and path:
+        raise ConfigError(f"give --humaneval or --prompts, not both (got --humaneval {humaneval} and --prompts {path})")
+    return file_prompts(path) if path else humaneval_prompts(humaneval or "0:4")
+
+
 def humaneval_prompt(n: int) -> str:
     """The prompt of HumanEval problem ``n`` (generate --humaneval N)."""
     if not 0 <= n < HUMANEVAL_PROBLEMS:
@@ -177,7 +186,7 @@ def run_bench(args) -> int:
     configs = {}
     for m in modes:
         configs[m] = replace(base.with_mode(m), trace=None)
-    prompts = file_prompts(args.prompts) if args.prompts else humaneval_prompts(args.humaneval)
+    prompts = bench_prompts(args)
     params = sampling_from_args(args)
     results = trio.run(_bench, configs, prompts, params, args)
     modes = [m for m in modes if m in results["modes"]]  # a sweep drops the budgets a mode cannot run in

@@ -185,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated modes; a mode may carry its parameter after a colon, ablation flags "
                         "after a plus and its own DRAM budget after an at sign, e.g. lever:16+no-prune, "
                         "flash-ar@400MiB")
-    b.add_argument("--humaneval", default="0:4", metavar="A:B", help="HumanEval problems A..B-1 (default 0:4)")
-    b.add_argument("--prompts", metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line (overrides --humaneval)')
+    b.add_argument("--humaneval", default=None, metavar="A:B", help="HumanEval problems A..B-1 (default 0:4)")
+    b.add_argument("--prompts", metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line (instead of --humaneval)')
     b.add_argument("--dram-budget", default="1GiB", metavar="SIZE", help="DRAM budget of the flash modes (default 1GiB)")
     b.add_argument("--flash-bandwidth", default=None, metavar="RATE", help="cap flash reads, e.g. 800MB (bytes per second; at least 1MB)")
     b.add_argument("--json", dest="json_out", metavar="OUT", help="write per-mode and per-prompt figures to OUT")

@@ -165,6 +165,14 @@ def test_conflicting_prompt_sources_are_refused(capsys, argv, named):
     one_line_error(code, out, "give only one of PROMPT, --prompt-file, --humaneval", named)
 
 
+def test_bench_takes_humaneval_or_a_prompt_file_not_both(capsys, tmp_path):
+    # it used to take the file and report nothing, so a run meant for a range measured another set
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "def f():"}) + "\n")
+    code, out = run(capsys, "bench", "--humaneval", "100:110", "--prompts", str(path))
+    one_line_error(code, out, "give --humaneval or --prompts, not both", "--humaneval 100:110", str(path))
+
+
 # --- 7: --socket refuses what the daemon cannot honour ---------------------------------------
 
 def test_socket_refuses_local_options_before_connecting(capsys, tmp_path):
