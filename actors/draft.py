@@ -6,6 +6,7 @@ import time
 import numpy as np
 import trio
 
+from lever_actors.errors import FlashFault
 from lever_actors.model import FEED_CHUNK
 from lever_actors.planner import ema
 from lever_actors.prune import ALTERNATIVES
@@ -36,6 +37,10 @@ class Drafter:
     a predicted outcome no tree assumes gets a tree planted for it, and at the commit the
     trees of other outcomes stop growing (``DraftSteer``). Steers only choose what the next
     levels draft, never a token of the output.
+    Faults: an embedding row that reads back changed (the draft bundle changed under the process)
+    fails that request, not the drafter: every answer owed says so (``fault``), the driver fails
+    the generation with it, and until a request starts a new sequence the drafter answers every
+    request the same way (its rows were left part-fed); that sequence reuses no cached prefix.
     Backpressure: one request at a time on the CPU lane; steers are read without waiting.
     Cancellation: a draft in a thread finishes; its scratch rows are discarded
     by the next request's sync (or its reset).
@@ -68,6 +73,8 @@ class Drafter:
         self._predictions: dict[tuple[int, int], DraftSteer] = {}  # (session, pass) -> its prediction, until its commit
         self.level_s: float | None = None  # one level of a steered draft (seconds, moving average)
         self.deadline_stops = 0  # steered drafts that stopped before a level that would outlast their deadline
+        self.fault: FlashFault | None = None  # the last request's, until a request starts a new sequence
+        self.faults = 0  # requests answered with a fault (cumulative)
 
     def _use_threads(self, n: int) -> None:
         """Kernel threads of this draft (its own, or borrowed from the idle verification lane)."""
@@ -93,13 +100,30 @@ class Drafter:
             task_status.started()
             async for req in self.requests_recv:
                 steered = self.steer_recv is not None and req.hypotheses and not req.extend
-                exps = await (self._draft_steered(req) if steered else self.lanes.run("cpu", self.draft, req))
+                try:
+                    if self.fault is not None and not req.reset:
+                        raise self.fault  # the rows this request would build on were left part-fed
+                    exps = await (self._draft_steered(req) if steered else self.lanes.run("cpu", self.draft, req))
+                except FlashFault as exc:
+                    exps = self._faulted(req, exc)
                 if req.threads:  # borrowed for this draft only: the lane idles on its own threads
                     self._use_threads(self.threads)
                 if req.hypotheses and not req.levels:  # drafted ahead in full: nothing more before the commit
                     self._lend(req)  # first: the answers wait in their channel until the pass commits
                 for exp in exps:
                     await self.out_send.send(exp)
+
+    def _faulted(self, req: DraftRequest, exc: FlashFault) -> list[DraftExpansion]:
+        """Empty answers carrying ``exc``, as many as the request is owed: one per hypothesis, one
+        per tree an extend request grows, else one."""
+        n = len(req.hypotheses) if req.hypotheses else \
+            len(self.growing["trees"]) if req.extend and self.growing else 1
+        self.fault, self.growing, self.faults = exc, None, self.faults + 1
+        none = np.zeros(0, np.int32)
+        return [DraftExpansion(session_id=req.session_id, step=req.step, epoch=req.epoch, root_token=req.root_token,
+                               position=req.position, parents=none, tokens=none, draft_probs=np.zeros(0, np.float32),
+                               draft_s=0.0, hypothesis=h, of=n, fault=str(exc), fault_retryable=exc.retryable)
+                for h in range(n)]
 
     def _lend(self, req: DraftRequest) -> None:
         """Lend this lane's threads to the verification lane for the rest of the pass drafted beside."""
@@ -336,7 +360,9 @@ class Drafter:
         self.growing = None
         committed = list(req.committed)
         if req.reset:
-            keep = self.reset(committed, req.reuse_prefix)
+            # after a fault the rows are not trusted: the new sequence is fed from its first token
+            keep = self.reset(committed, req.reuse_prefix and self.fault is None)
+            self.fault = None
             self.head.set_prompt(req.committed)
             committed = committed[keep:]
         if req.confirmed_hypothesis >= 0:

@@ -224,10 +224,11 @@ class Generation:
         return len(self.prompt) + len(self.out) - 1
 
 
-def _raise_fault(commit) -> None:
-    """A pass lost to a flash fault ends the generation with that fault (the pipeline goes on)."""
-    if commit.fault:
-        raise FlashFault(commit.fault, commit.fault_retryable)
+def _raise_fault(msg) -> None:
+    """A pass lost to a flash fault, or a draft the drafter could not draft (its bundle changed under
+    the process), ends the generation with that fault (the pipeline goes on)."""
+    if msg.fault:
+        raise FlashFault(msg.fault, msg.fault_retryable)
 
 
 def tree_slack(cfg) -> int:
@@ -365,7 +366,8 @@ class Pipeline:
         generations in a row filled every channel and the next request's first send waited for ever."""
         if g.prefill_draft:
             g.prefill_draft = False
-            await self._receive_drafts(g, max(g.spec.in_flight, 1))
+            # a fault here costs no token: every one was verified (the next request meets it, if it lasts)
+            await self._receive_drafts(g, max(g.spec.in_flight, 1), faults=False)
         await self._drop_stale(g)
 
     def _begin(self, prompt_ids, max_tokens, params) -> Generation:
@@ -597,6 +599,8 @@ class Pipeline:
                 for _ in range(n):
                     exps.append(await self._receive(self.draft_recv, g.sid))
                     pending -= 1
+                for e in exps:
+                    _raise_fault(e)
                 g.ahead = exps
                 first.set()
                 if "commit" in got or not any(e.growing for e in exps) or not self._level_fits(g):
@@ -686,12 +690,15 @@ class Pipeline:
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # advice: the drafter has not read the last ones yet (or is gone)
 
-    async def _receive_drafts(self, g: Generation, n: int) -> list:
+    async def _receive_drafts(self, g: Generation, n: int, faults: bool = True) -> list:
         """The answers to a cross-step request of ``n`` hypotheses (more when the drafter planted a
-        tree for a predicted outcome: every answer says how many trees it belongs to)."""
+        tree for a predicted outcome: every answer says how many trees it belongs to). All are taken
+        before a fault among them is raised (``faults``), so that none is left in the channel."""
         exps = []
         while len(exps) < (exps[0].of if exps else n):
-            exps.append(await self._receive_draft(g))
+            exps.append(await self._receive_draft(g, faults=False))
+        for e in exps if faults else ():
+            _raise_fault(e)
         return exps
 
     def _settle_assumption(self, g: Generation, commit, exps: list) -> None:
@@ -720,12 +727,14 @@ class Pipeline:
 
     # -- channels -----------------------------------------------------------------------------------
 
-    async def _receive_draft(self, g: Generation):
+    async def _receive_draft(self, g: Generation, faults: bool = True):
         """The drafter's next expansion; the time waited for it is time the passes stood still."""
         t = time.perf_counter()
         await self._drop_stale(g)
         exp = await self._receive(self.draft_recv, g.sid)
         self._count_wait(g, t, time.perf_counter())
+        if faults:
+            _raise_fault(exp)
         if exp.step > 0:  # (step 0 also digests the prompt)
             g.stats.draft_tokens += len(exp.tokens)
             if exp.hypothesis == 0:  # the expansions of one request share its drafting time

@@ -330,7 +330,7 @@ class DraftExpansion(PipelineMessage):
     weighs as greedy probabilities).
     """
     KIND: ClassVar[str] = "draft.expansion"
-    VERSION: ClassVar[int] = 4
+    VERSION: ClassVar[int] = 5
     root_token: int
     position: int        # sequence position of root_token, echoed from the request
     parents: np.ndarray      # int32 [n]
@@ -349,6 +349,10 @@ class DraftExpansion(PipelineMessage):
     hypothesis: int = 0
     of: int = 1
     growing: bool = False  # the tree stopped only at its request's ``levels``: an extend request grows it
+    # v5: the draft could not draft this request (its embedding row read back changed: the draft
+    # bundle changed under the process); the tree is empty and the driver fails the request with it
+    fault: str = ""
+    fault_retryable: bool = False
 
     @staticmethod
     def upgrade_from_1(body: dict) -> dict:
@@ -361,6 +365,10 @@ class DraftExpansion(PipelineMessage):
     @staticmethod
     def upgrade_from_3(body: dict) -> dict:
         return body  # v4 only adds fields with defaults
+
+    @staticmethod
+    def upgrade_from_4(body: dict) -> dict:
+        return body  # v5 only adds fields with defaults
 
     def _check(self) -> None:
         _non_negative(self, "root_token", "position")

@@ -163,8 +163,9 @@ io_error           yes        reading the streamed weights failed after retries
                               (the message names the file and region); the
                               daemon keeps serving
 model_damaged      no         streamed weights are not the bytes the bundle
-                              recorded, or the file changed under the daemon;
-                              every request fails so until it is fixed
+                              recorded, or a file (the target's or the draft's)
+                              changed under the daemon; every request that
+                              reads the damage fails so until it is fixed
 =================  =========  ==================================================
 
 Example exchange (msgpack shown as JSON)

@@ -50,7 +50,8 @@ _SAMPLE_LIST: list[Message] = [
         draft_probs=np.array([0.75, 0.125, 0.5, 0.25, 1.0], dtype=np.float32), draft_s=0.0875,
         dists=np.array([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0]], dtype=np.float32),
         alternatives=np.array([[198, 220], [262, 1_000], [13, 11], [151_645, 5], [7, 8], [9, 10]], dtype=np.int32),
-        assumed=(198, 220, 151_643), hypothesis=1, of=2, growing=True),
+        assumed=(198, 220, 151_643), hypothesis=1, of=2, growing=True,
+        fault="embedding row 750 read back changed", fault_retryable=True),
     DraftSteer(**_HEADER, path=(198, 220), next_token=262, final=True, max_depth=3, min_path_p=0.25),
     LaneGrant(**_HEADER, threads=1),
     VerifyPlan(

@@ -305,3 +305,23 @@ def test_a_transient_bad_read_of_an_embedding_row_is_read_again(tiny_bundles, mo
     finally:
         table.close()
     assert np.array_equal(first, again) and len(calls) == 2  # row 5 was read once more
+
+
+@pytest.mark.parametrize("mode", ["lever", "flash-chain", "flash-chain+no-overlap"])
+def test_a_draft_embedding_row_changed_after_it_was_read_fails_the_request_not_the_pipeline(
+        tiny_bundles, tmp_path, reference, mode):
+    """The drafter answers what it owes with the fault instead of dying with it: that request fails,
+    and once the row reads back as it first did, the same pipeline's next output is exact."""
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_bundles[1], draft)
+    token = TextTokenizer.from_file(draft / "tokenizer.json").encode(PROMPT)[-1]  # fed again: not cached
+    base, _, flags = mode.partition("+")
+    cfg = EngineConfig(mode=base, gamma=6, overlap=flags != "no-overlap", **STREAMED)
+    flip = lambda: flip_embedding_row(draft, token)  # noqa: E731 (a second flip puts the byte back)
+    results = generate_all(cfg, tiny_bundles[0], draft, Faults(), [lambda: None, flip, lambda: None, flip])
+    first, faulted, again, restored = (r for r, _ in results)
+    assert first == reference and restored == reference
+    for fault in (faulted, again):  # and every request while the row stays changed
+        assert isinstance(fault, FlashFault) and not fault.retryable
+        assert f"embedding row {token}" in str(fault) and str(draft) in str(fault)
+    assert all(back for _, back in results)

@@ -109,7 +109,7 @@ def draft_expansions(draw) -> DraftExpansion:
         draft_probs=np.array(draw(st.lists(st.floats(0, 1, width=32), min_size=n, max_size=n)),
                              dtype=np.float32),
         draft_s=draw(SECONDS), assumed=tuple(draw(st.lists(TOKENS, max_size=4))), hypothesis=draw(st.integers(0, 2)),
-        of=3, growing=draw(st.booleans()))
+        of=3, growing=draw(st.booleans()), fault=draw(st.text(max_size=20)), fault_retryable=draw(st.booleans()))
 
 
 @st.composite
