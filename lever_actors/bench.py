@@ -97,7 +97,10 @@ def summarize(rows: list[dict]) -> dict:
         "ms_per_token": 1000 * secs / toks if toks else 0.0,
         "median_tokens_per_s": _median([r["tokens_per_s"] for r in rows]),
         "spread_tokens_per_s": [min(r["tokens_per_s"] for r in rows), max(r["tokens_per_s"] for r in rows)],
-        "mean_accepted": sum(r["stats"].get("n_tokens", 0) for r in rows) / passes if passes else 1.0,
+        # tokens the passes committed, as each prompt's line counts them (the returned tokens also hold
+        # the prefill's first one and drop what a last pass committed past max_tokens)
+        "mean_accepted": sum((r["stats"].get("mean_accepted") or 0) * r["stats"].get("passes", 0)
+                             for r in rows) / passes if passes else 1.0,
         "flash_bytes_per_token": sum(r["stats"].get("flash_bytes_read", 0) for r in rows) / max(toks, 1),
         "io_s_per_pass": sum(r["stats"].get("io_s", 0) for r in rows) / max(passes, 1),
         "compute_s_per_pass": sum(r["stats"].get("compute_s", 0) for r in rows) / max(passes, 1),

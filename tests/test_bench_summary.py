@@ -32,3 +32,15 @@ def test_a_drafter_bound_mode_is_bound_by_its_waits():
 def test_no_pass_no_bound():
     s = _pipeline_summary([_row(0, 0.0, 0.0, 0.0, 0.0, 0)], 0)
     assert s["efficiency"] is None and s["bound_tokens_per_s"] is None and s["draft_wait_share"] == 0.0
+
+
+def test_the_tables_tokens_a_pass_are_the_prompts_lines_tokens_a_pass():
+    """Both count what the passes committed: the returned tokens also hold the prefill's first token
+    and drop what a last pass committed past max_tokens, so they are not the passes' tokens."""
+    from lever_actors.bench import summarize
+
+    rows = [{"n_tokens": 64, "decode_s": 2.0, "tokens_per_s": 32.0, "prefill_s": 0.1,
+             "stats": {"passes": 13, "mean_accepted": 66 / 13, "n_tokens": 64}},  # 66 committed, 64 returned
+            {"n_tokens": 64, "decode_s": 2.0, "tokens_per_s": 32.0, "prefill_s": 0.1,
+             "stats": {"passes": 16, "mean_accepted": 64 / 16, "n_tokens": 64}}]
+    assert summarize(rows)["mean_accepted"] == pytest.approx(130 / 29)
