@@ -325,3 +325,37 @@ def test_a_draft_embedding_row_changed_after_it_was_read_fails_the_request_not_t
         assert isinstance(fault, FlashFault) and not fault.retryable
         assert f"embedding row {token}" in str(fault) and str(draft) in str(fault)
     assert all(back for _, back in results)
+
+
+def test_the_daemon_answers_a_changed_draft_row_with_model_damaged_and_keeps_serving(tiny_bundles, reference,
+                                                                                      tmp_path):
+    """Through the real socket: the request that meets the changed draft row gets `model_damaged`
+    (not retryable), and once the row reads back as it first did the daemon serves exact output."""
+    from lever_actors.client import open_client
+    from lever_actors.daemon import ServeConfig, serve
+    from lever_actors.errors import RemoteError
+    from lever_actors.service import EngineBackend
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_bundles[1], draft)
+    token = TextTokenizer.from_file(draft / "tokenizer.json").encode(PROMPT)[-1]
+    cfg = EngineConfig(target=str(tiny_bundles[0]), draft=str(draft), mode="lever", gamma=6, **STREAMED)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            daemon = await nursery.start(serve, ServeConfig(socket=tmp_path / "d.sock"), EngineBackend(cfg))
+            async with open_client(tmp_path / "d.sock") as client:
+                first = await client.generate(PROMPT, max_tokens=TOKENS)
+                flip_embedding_row(draft, token)
+                with pytest.raises(RemoteError) as info:
+                    await client.generate(PROMPT, max_tokens=TOKENS)
+                flip_embedding_row(draft, token)  # the byte back
+                after = await client.generate(PROMPT, max_tokens=TOKENS)
+                stats = await client.stats()
+            daemon.shutdown()
+        return first, info.value, after, stats
+
+    first, error, after, stats = trio.run(main)
+    assert first.token_ids == reference and after.token_ids == reference
+    assert error.code == "model_damaged" and not error.retryable and f"embedding row {token}" in error.message
+    assert stats["daemon"]["requests"]["failed"] == 1
