@@ -149,7 +149,7 @@ def test_idle_lanes_lend_their_threads(tiny_bundles, ar_tokens, monkeypatch):
     cfg = replace(cfg, lane=replace(cfg.lane, threads=2))
     verify_threads, own = [], NpuVerifier._use_threads
     monkeypatch.setattr(NpuVerifier, "_use_threads", lambda self, n: (verify_threads.append(n), own(self, n)))
-    threads, lent = {}, {}
+    threads, lent, prefills_lent = {}, {}, {}
     for mode in ("lever", "lever+no-core-borrow", "lever+no-core-lend", "flash-chain:4", "flash-chain:4+no-overlap"):
         requests.clear()
         toks, stats, pipe = trio.run(generate, cfg.with_mode(mode, 16), target, draft, ids)
@@ -157,6 +157,7 @@ def test_idle_lanes_lend_their_threads(tiny_bundles, ar_tokens, monkeypatch):
         waited = [r.threads for r in requests if not r.hypotheses and not r.extend]
         threads[mode] = (waited, [r.threads for r in requests if r.hypotheses])
         lent[mode] = pipe.verifier.lent_passes
+        prefills_lent[mode] = pipe.verifier.lent_prefills
         assert pipe.verifier.m.lane.threads == 2  # back to its own after the last pass
     waited, ahead = threads["lever"]
     assert waited and set(waited) == {3} and ahead and set(ahead) == {0}
@@ -170,6 +171,11 @@ def test_idle_lanes_lend_their_threads(tiny_bundles, ar_tokens, monkeypatch):
     waited, ahead = threads["flash-chain:4+no-overlap"]
     assert waited and set(waited) == {0} and not ahead and lent["flash-chain:4+no-overlap"] == 0
     assert 3 in verify_threads and set(verify_threads) == {2, 3}
+    # the prefill, too, takes the drafter's threads once the prompt is digested (its reads are slow
+    # here: the grant comes before its last stage), in every mode that lends: not +no-core-lend, not
+    # the lanes that take turns
+    assert prefills_lent == {"lever": 1, "lever+no-core-borrow": 1, "lever+no-core-lend": 0, "flash-chain:4": 1,
+                             "flash-chain:4+no-overlap": 0}
 
 
 @pytest.mark.parametrize("draft_kind", ["perturbed", "unrelated"])
