@@ -130,7 +130,7 @@ class NpuVerifier:
         """Between stages: a grant for this pass (the drafter answered the request of step
         ``plan.step + 1`` and idles until this pass commits; for a prefill, the request of step 0
         that digested the prompt and drafted the first tree, usually long before the prefill ends:
-        lever's first token 10-14% sooner, README) adds its threads; others are stale."""
+        the first token sooner, README) adds its threads; others are stale."""
         while self.grants_recv is not None:
             try:
                 g = self.grants_recv.receive_nowait()
