@@ -100,12 +100,13 @@ class Drafter:
             task_status.started()
             async for req in self.requests_recv:
                 steered = self.steer_recv is not None and req.hypotheses and not req.extend
-                try:
-                    if self.fault is not None and not req.reset:
-                        raise self.fault  # the rows this request would build on were left part-fed
-                    exps = await (self._draft_steered(req) if steered else self.lanes.run("cpu", self.draft, req))
-                except FlashFault as exc:
-                    exps = self._faulted(req, exc)
+                if self.fault is not None and not req.reset:  # the rows it would build on were left part-fed
+                    exps = self._faulted(req, self.fault)
+                else:
+                    try:
+                        exps = await (self._draft_steered(req) if steered else self.lanes.run("cpu", self.draft, req))
+                    except FlashFault as exc:
+                        exps = self._faulted(req, exc)
                 if req.threads:  # borrowed for this draft only: the lane idles on its own threads
                     self._use_threads(self.threads)
                 if req.hypotheses and not req.levels:  # drafted ahead in full: nothing more before the commit

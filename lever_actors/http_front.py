@@ -30,6 +30,7 @@ import h11
 import trio
 
 from lever_actors.backend import GenerateParams
+from lever_actors.errors import ConfigError
 from protocols import openai_http as api
 from protocols.rpc import ErrorCode, RpcError
 
@@ -126,8 +127,6 @@ class HttpFront:
         try:
             listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
         except OSError as exc:  # a port in use, a host not ours: one line naming the address
-            from lever_actors.errors import ConfigError
-
             raise ConfigError(f"--http cannot listen on {self.config.host}:{self.config.port}: "
                               f"{exc.strerror or exc}") from None
         self.address = listeners[0].socket.getsockname()[:2]
