@@ -17,8 +17,8 @@ is free: overlap. Once compute takes longer, every core is busy and the draft be
 slows it: turns. Blocks of passes run one schedule; taking turns, one block in every
 ``explore_every`` runs overlap again so that the measure follows the host.
 
-Measured (README, "The session before: lever picks its schedule by the host"; `+no-auto-schedule` is overlap
-always, `+no-overlap` turns always):
+Measured (docs/measured-history.md, "The session before: lever picks its schedule by the
+host"; `+no-auto-schedule` is overlap always, `+no-overlap` turns always):
 * AVX2 host, 768 MiB, held-out HumanEval 100:110: overlap passes compute 1.33x their reads;
   lever took turns in 86% of its passes and ran 1.13x `+no-auto-schedule`.
 * AVX2 host, 600 MiB, HumanEval 100:105: compute 1.14x the reads; 83% turns, 1.12x.
