@@ -35,12 +35,12 @@ enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3, T_Q5_0 = 4, T_Q5_0R = 5 };
 #define T_LAST T_Q5_0R
 #define QK 256
 #define KLANES 16 /* floats each K-quant output keeps per activation row until its final sum */
-/* Activation rows the AVX2 K-quant kernel takes at once; more go KQ_MAX at a time over slices of
+/* Activation rows the K-quant row kernels (AVX2 and AVX-512) take at once; more go KQ_MAX at a time over slices of
  * KQ_SLICE weight rows that stay in cache from one batch to the next. 4 held the integer lanes in
  * registers but doubled a fifth row's cost; 8 or 12 ran 5 to 8 rows 10-20% faster than the kernel
  * before, and 12 kept 9 to 16 rows level with it (8 lost 5% there). */
 #define KQ_MAX 12
-_Static_assert(KQ_MAX == 12, "few_rows_kq_avx2 has a case for each row count up to KQ_MAX");
+_Static_assert(KQ_MAX == 12, "few_rows_kq has a case for each row count up to KQ_MAX");
 /* Weight rows read ahead by software prefetch when a few activation rows stream each weight row:
  * the loops' long chains of fused adds leave the out-of-order core few loads in flight, and the
  * hardware prefetcher alone kept a 1-row matmul at a third of the memory bandwidth. */
@@ -478,11 +478,14 @@ static void few_rows_q5r_avx2(const uint8_t *w, size_t rb, int64_t j0, int64_t j
 #undef Q5R_ROWS
 #endif
 
+/* The final sum of a K-quant output's lanes, in llama.cpp's order: hsum_float_8 of the eight
+ * scale lanes plus the two-step sum of the four min lanes (zero for Q6_K). */
+static inline float ksum(const float *a) {
+    const float r0 = a[4] + a[0], r1 = a[5] + a[1], r2 = a[6] + a[2], r3 = a[7] + a[3];
+    return ((r0 + r2) + (r1 + r3)) + ((a[8] + a[10]) + (a[9] + a[11]));
+}
+
 #ifdef LEVER_AVX512
-/* AVX-512 versions of the Q4_K / Q6_K blocks: weights are unpacked once per block
- * into registers and reused for every activation row; each output keeps 16 float
- * lanes (acc + 16*i) across blocks and is reduced once at the end, so no
- * horizontal sum runs per block. Same instructions for every row and every N. */
 /* 256 unsigned weight codes (w, four registers of 64) times 256 int8 activations, each
  * 16-bit pair product scaled by its sub-block's scale (scl): 16 int32 lane sums */
 static inline __m512i dot256_512(const __m512i *w, const __m512i *scl, const int8_t *a) {
@@ -494,83 +497,111 @@ static inline __m512i dot256_512(const __m512i *w, const __m512i *scl, const int
     return _mm512_add_epi32(t0, t1);
 }
 
-static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
-                          const int16_t *bs16, float *acc) {
-    const int64_t nsb = k / QK;
-    float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
-    uint8_t scmn[16];
-    q4k_scales_mins16(b + 4, scmn);
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    /* w[c] holds chunk c (64 elements, one 32-byte run of nibbles): its low
-     * nibbles (sub-block 2c) in the lower 256 bits, high nibbles (2c+1) above,
-     * so it lines up with 64 contiguous activations */
+/* One K-quant weight row through all its blocks against N <= KQ_MAX activation rows (the AVX2
+ * row kernels' shape). A block's codes and scales are unpacked once for every activation row, and
+ * each row's float lanes live in one register for the whole row: lanes 0-7 llama.cpp's eight scale
+ * lanes, 8-11 Q4_K's four min lanes, 12-15 zero, exactly the acc layout ksum reads. The per-block
+ * kernels these replaced (one call per block over a group of 16 weight rows) kept them in memory and
+ * finished each (row, block) with two fused adds, two loads, two stores and a scalar product: more
+ * instructions than the block's eight multiply-adds. Here the integer
+ * lanes are folded and joined with the min lanes in one vector, and one fused add takes all twelve;
+ * its multiplier is dx * [dw x8, -dmin x4, 0 x4] (dx * -dmin is -(dx * dmin) exactly), so every lane
+ * gets the fused add it got before, in block order: the same bits. */
+static inline __attribute__((always_inline)) void row_q4k_512(
+        const uint8_t *w, int64_t nsb, int64_t k, const int N, const int8_t *q, const float *d,
+        const int16_t *bs16, float *out, int64_t stride, const uint8_t *pf) {
     static const int16_t SUB[4][32] = {
         {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
         {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
         {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
         {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
-    const __m128i packed = _mm_loadu_si128((const __m128i *)scmn);
-    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(packed));
+    /* int16 lanes 16-23 take the mins (sc16's lanes 8-15), so madd puts their sums in int32 lanes 8-11 */
+    static const int16_t MINS[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                     8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0};
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    __m512i w[4], scl[4];
-    for (int c = 0; c < 4; c++) {
-        __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c)));
-        w[c] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), m4);
-        scl[c] = _mm512_permutexvar_epi16(_mm512_loadu_si512(SUB[c]), sc16);
+    __m512 fa[KQ_MAX];
+    for (int i = 0; i < N; i++) fa[i] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *b = w + (size_t)s * 144;
+        if (pf) for (int o = 0; o < 144; o += 64) __builtin_prefetch(pf + (size_t)s * 144 + o, 0, 3);
+        uint8_t scmn[16];
+        q4k_scales_mins16(b + 4, scmn);
+        const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)scmn)));
+        __m512i wq[4], scl[4];
+        for (int c = 0; c < 4; c++) {
+            __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c)));
+            wq[c] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), m4);
+            scl[c] = _mm512_permutexvar_epi16(_mm512_loadu_si512(SUB[c]), sc16);
+        }
+        const __m512i mins = _mm512_maskz_permutexvar_epi16(0x00FF0000u, _mm512_loadu_si512(MINS), sc16);
+        const __m512 wd = _mm512_maskz_mov_ps(0x0FFF, _mm512_mask_blend_ps(0x0F00, _mm512_set1_ps(f16_to_f32(b)),
+                                                                          _mm512_set1_ps(-f16_to_f32(b + 2))));
+        for (int i = 0; i < N; i++) {
+            const __m512i t = dot256_512(wq, scl, q + i * k + s * QK);
+            const __m512i m = _mm512_madd_epi16(
+                mins, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(bs16 + (i * nsb + s) * 8))));
+            const __m512i v = _mm512_mask_add_epi32(m, 0x00FF, t, _mm512_shuffle_i64x2(t, t, 0x4E));
+            fa[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[i * nsb + s]), wd), _mm512_cvtepi32_ps(v), fa[i]);
+        }
     }
-    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_srli_si128(packed, 8));
-    /* llama.cpp's lanes: eight scale lanes (our lane l plus lane l + 8) and four min lanes
-     * (pair sums of the 16-element activation sums against the eight mins) */
-    for (int64_t i = 0; i < n; i++) {
-        const int8_t *a = q + i * k + s * QK;
-        const __m512i t = dot256_512(w, scl, a);
-        const float dx = d[i * nsb + s];
-        const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
-        const __m128i q8s = _mm_loadu_si128((const __m128i *)(bs16 + (i * nsb + s) * 8)); /* pair sums (py_matmul) */
-        float *ai = acc + KLANES * i;
-        _mm256_storeu_ps(ai, _mm256_fmadd_ps(_mm256_set1_ps(dx * dw), _mm256_cvtepi32_ps(sumi), _mm256_loadu_ps(ai)));
-        _mm_storeu_ps(ai + 8, _mm_fmadd_ps(_mm_set1_ps(-(dx * dmin)), _mm_cvtepi32_ps(_mm_madd_epi16(mins16, q8s)),
-                                           _mm_loadu_ps(ai + 8)));
+    for (int i = 0; i < N; i++) {
+        float a[16];
+        _mm512_storeu_ps(a, fa[i]);
+        out[i * stride] = ksum(a);
     }
 }
 
-static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
-                          const int16_t *bs16, float *acc) {
-    const int64_t nsb = k / QK;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    float dw = f16_to_f32(b + 208);
+/* Q6_K likewise: lanes 0-7 the scale lanes less their -32 offsets, lanes 8-15 multiplied by zero */
+static inline __attribute__((always_inline)) void row_q6k_512(
+        const uint8_t *w, int64_t nsb, int64_t k, const int N, const int8_t *q, const float *d,
+        const int16_t *bs16, float *out, int64_t stride, const uint8_t *pf) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)));
-    __m512i w[4], scl[4];
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *l = b + 64 * h;
-        __m256i vl0 = _mm256_loadu_si256((const __m256i *)l), vl1 = _mm256_loadu_si256((const __m256i *)(l + 32));
-        __m256i vh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-        __m256i q0 = _mm256_or_si256(_mm256_and_si256(vl0, m4), _mm256_slli_epi16(_mm256_and_si256(vh, m2), 4));
-        __m256i q1 = _mm256_or_si256(_mm256_and_si256(vl1, m4),
-                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2), m2), 4));
-        __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl0, 4), m4),
-                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), m2), 4));
-        __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl1, 4), m4),
-                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
-        w[2 * h] = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);     /* elements 128h + 0..63 */
-        w[2 * h + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(q2), q3, 1); /* elements 128h + 64..127 */
-        for (int r = 0; r < 2; r++) { /* int16 lane l of w[2h+r] belongs to sub-block 8h + 4r + l/8 */
-            int16_t idx[32];
-            for (int l = 0; l < 32; l++) idx[l] = (int16_t)(8 * h + 4 * r + l / 8);
-            scl[2 * h + r] = _mm512_permutexvar_epi16(_mm512_loadu_si512(idx), sc16);
+    __m512i idx[4];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < 2; r++) { /* int16 lane l of wq[2h+r] belongs to sub-block 8h + 4r + l/8 */
+            int16_t ix[32];
+            for (int l = 0; l < 32; l++) ix[l] = (int16_t)(8 * h + 4 * r + l / 8);
+            idx[2 * h + r] = _mm512_loadu_si512(ix);
+        }
+    __m512 fa[KQ_MAX];
+    for (int i = 0; i < N; i++) fa[i] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *b = w + (size_t)s * 210;
+        if (pf) for (int o = 0; o < 210; o += 64) __builtin_prefetch(pf + (size_t)s * 210 + o, 0, 3);
+        const __m256i sc16w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        const __m512i sc16 = _mm512_castsi256_si512(sc16w), sc16z = _mm512_zextsi256_si512(sc16w);
+        __m512i wq[4], scl[4];
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *l = b + 64 * h;
+            __m256i vl0 = _mm256_loadu_si256((const __m256i *)l), vl1 = _mm256_loadu_si256((const __m256i *)(l + 32));
+            __m256i vh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            __m256i q0 = _mm256_or_si256(_mm256_and_si256(vl0, m4), _mm256_slli_epi16(_mm256_and_si256(vh, m2), 4));
+            __m256i q1 = _mm256_or_si256(_mm256_and_si256(vl1, m4),
+                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2), m2), 4));
+            __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl0, 4), m4),
+                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), m2), 4));
+            __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl1, 4), m4),
+                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
+            wq[2 * h] = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
+            wq[2 * h + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(q2), q3, 1);
+            scl[2 * h] = _mm512_permutexvar_epi16(idx[2 * h], sc16);
+            scl[2 * h + 1] = _mm512_permutexvar_epi16(idx[2 * h + 1], sc16);
+        }
+        const __m512 wd = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(f16_to_f32(b + 208)));
+        for (int i = 0; i < N; i++) {
+            const __m512i t = dot256_512(wq, scl, q + i * k + s * QK);
+            const __m512i off = _mm512_slli_epi32(
+                _mm512_madd_epi16(_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(bs16 + (i * nsb + s) * 16))),
+                                  sc16z), 5);
+            const __m512i v = _mm512_sub_epi32(_mm512_add_epi32(t, _mm512_shuffle_i64x2(t, t, 0x4E)), off);
+            fa[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[i * nsb + s]), wd), _mm512_cvtepi32_ps(v), fa[i]);
         }
     }
-    const __m256i sc16w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-    for (int64_t i = 0; i < n; i++) { /* llama.cpp's eight lanes, each less its pair of -32 offsets */
-        const int8_t *a = q + i * k + s * QK;
-        const __m512i t = dot256_512(w, scl, a);
-        const __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
-        const __m256i off = _mm256_slli_epi32(
-            _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs16 + (i * nsb + s) * 16)), sc16w), 5);
-        float *ai = acc + KLANES * i;
-        _mm256_storeu_ps(ai, _mm256_fmadd_ps(_mm256_set1_ps(d[i * nsb + s] * dw),
-                                             _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, off)), _mm256_loadu_ps(ai)));
+    for (int i = 0; i < N; i++) {
+        float a[16];
+        _mm512_storeu_ps(a, fa[i]);
+        out[i * stride] = ksum(a);
     }
 }
 
@@ -778,14 +809,7 @@ static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n
     }
 }
 
-/* The final sum of a K-quant output's lanes, in llama.cpp's order: hsum_float_8 of the eight
- * scale lanes plus the two-step sum of the four min lanes (zero for Q6_K). */
-static inline float ksum(const float *a) {
-    const float r0 = a[4] + a[0], r1 = a[5] + a[1], r2 = a[6] + a[2], r3 = a[7] + a[3];
-    return ((r0 + r2) + (r1 + r3)) + ((a[8] + a[10]) + (a[9] + a[11]));
-}
-
-#if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* the AVX-512 build has block_q4k_512 / block_q6k_512 */
+#if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* the AVX-512 build has row_q4k_512 / row_q6k_512 */
 /* AVX2 K-quant kernels: one weight row, all its blocks, against N <= KQ_MAX activation rows. A
  * run's codes are unpacked (and its scales broadcast) once for every activation row, and each row's
  * integer lanes stay in registers through the block; its float lanes (fa) are fused-added once per
@@ -796,11 +820,12 @@ static inline float ksum(const float *a) {
  * llama.cpp's own results in tests/test_kernels.py. */
 static inline __attribute__((always_inline)) void row_q4k_avx2(
         const uint8_t *w, int64_t nsb, int64_t k, const int N, const int8_t *q, const float *d,
-        const int16_t *bs16, float *out, int64_t stride) {
+        const int16_t *bs16, float *out, int64_t stride, const uint8_t *pf) {
     float fa[KQ_MAX * KLANES];
     memset(fa, 0, sizeof(float) * KLANES * N); /* only the rows this call has: it runs once per weight row */
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *b = w + (size_t)s * 144;
+        if (pf) for (int o = 0; o < 144; o += 64) __builtin_prefetch(pf + (size_t)s * 144 + o, 0, 3);
         uint8_t t[16];
         q4k_scales_mins16(b + 4, t);
         __m256i lane[KQ_MAX];
@@ -830,11 +855,12 @@ static inline __attribute__((always_inline)) void row_q4k_avx2(
 
 static inline __attribute__((always_inline)) void row_q6k_avx2(
         const uint8_t *w, int64_t nsb, int64_t k, const int N, const int8_t *q, const float *d,
-        const int16_t *bs16, float *out, int64_t stride) {
+        const int16_t *bs16, float *out, int64_t stride, const uint8_t *pf) {
     float fa[KQ_MAX * KLANES];
     memset(fa, 0, sizeof(float) * KLANES * N); /* only the rows this call has: it runs once per weight row */
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *b = w + (size_t)s * 210;
+        if (pf) for (int o = 0; o < 210; o += 64) __builtin_prefetch(pf + (size_t)s * 210 + o, 0, 3);
         const int8_t *sc = (const int8_t *)(b + 192);
         __m256i lane[KQ_MAX];
         for (int i = 0; i < N; i++) lane[i] = _mm256_setzero_si256();
@@ -862,14 +888,23 @@ static inline __attribute__((always_inline)) void row_q6k_avx2(
     for (int i = 0; i < N; i++) out[i * stride] = ksum(fa + KLANES * i);
 }
 
-/* K-quant weight rows [j0, j1) against n <= KQ_MAX activation rows (bs16 as py_matmul converts it) */
-#define KQ_ROW(FN, NN) FN(w + (size_t)j * rb, nsb, k, NN, q, d, bs16, out + j, stride)
+#define ROW_Q4K row_q4k_avx2
+#define ROW_Q6K row_q6k_avx2
+#elif defined(LEVER_AVX512)
+#define ROW_Q4K row_q4k_512
+#define ROW_Q6K row_q6k_512
+#endif
+
+#ifdef LEVER_AVX2
+/* K-quant weight rows [j0, j1) against n <= KQ_MAX activation rows (bs16 as py_matmul converts it).
+ * The row PREFETCH_ROWS ahead is prefetched block by block as the row kernel goes (pf), not all at
+ * once before it: a whole long row (ffn_down: 7350 bytes of Q6_K, 115 lines) issued at once stalled
+ * the kernel on its prefetches, and one activation row of it streamed from DRAM in 0.55 ms against
+ * 0.30 ms block by block (AVX-512, one thread; the AVX2 build on that host: 0.62 against 0.45). */
+#define KQ_ROW(FN, NN) FN(w + (size_t)j * rb, nsb, k, NN, q, d, bs16, out + j, stride, pf)
 #define KQ_ROWS(FN)                                                                                  \
     for (int64_t j = j0; j < j1; j++) {                                                              \
-        if (j + PREFETCH_ROWS < j1) {                                                                \
-            const char *ahead = (const char *)w + (size_t)(j + PREFETCH_ROWS) * rb;                 \
-            for (size_t o = 0; o < rb; o += 64) __builtin_prefetch(ahead + o, 0, 3);                \
-        }                                                                                            \
+        const uint8_t *pf = j + PREFETCH_ROWS < j1 ? w + (size_t)(j + PREFETCH_ROWS) * rb : NULL;    \
         switch (n) { /* literal shapes, each compiled for its own; KQ_MAX cases */                   \
         case 1: KQ_ROW(FN, 1); break;                                                                \
         case 2: KQ_ROW(FN, 2); break;                                                                \
@@ -885,11 +920,11 @@ static inline __attribute__((always_inline)) void row_q6k_avx2(
         default: KQ_ROW(FN, 12); break;                                                              \
         }                                                                                            \
     }
-static void few_rows_kq_avx2(int type, const uint8_t *w, size_t rb, int64_t j0, int64_t j1, int64_t k, int64_t n,
-                             const int8_t *q, const float *d, const int16_t *bs16, float *out, int64_t stride) {
+static void few_rows_kq(int type, const uint8_t *w, size_t rb, int64_t j0, int64_t j1, int64_t k, int64_t n,
+                        const int8_t *q, const float *d, const int16_t *bs16, float *out, int64_t stride) {
     const int64_t nsb = n_groups(k);
-    if (type == T_Q4_K) { KQ_ROWS(row_q4k_avx2) }
-    else { KQ_ROWS(row_q6k_avx2) }
+    if (type == T_Q4_K) { KQ_ROWS(ROW_Q4K) }
+    else { KQ_ROWS(ROW_Q6K) }
 }
 #undef KQ_ROWS
 #undef KQ_ROW
@@ -1018,14 +1053,14 @@ static void *run_job(void *arg) {
         return NULL;
     }
 #endif
-#if defined(LEVER_AVX2) && !defined(LEVER_AVX512)
+#ifdef LEVER_AVX2
     if (!jb->x && is_kquant(jb->type)) {
-        /* the AVX2 K-quant kernel, more than KQ_MAX rows KQ_MAX at a time over cached slices */
+        /* the K-quant row kernel, more than KQ_MAX rows KQ_MAX at a time over cached slices */
         const int64_t per = jb->type == T_Q4_K ? 8 : 16;
         for (int64_t s0 = jb->j0; s0 < jb->j1; s0 += KQ_SLICE) {
             const int64_t s1 = jb->j1 - s0 < KQ_SLICE ? jb->j1 : s0 + KQ_SLICE;
             for (int64_t i0 = 0; i0 < jb->n; i0 += KQ_MAX)
-                few_rows_kq_avx2(jb->type, jb->w, rb, s0, s1, jb->k, jb->n - i0 < KQ_MAX ? jb->n - i0 : KQ_MAX, jb->q + i0 * jb->k,
+                few_rows_kq(jb->type, jb->w, rb, s0, s1, jb->k, jb->n - i0 < KQ_MAX ? jb->n - i0 : KQ_MAX, jb->q + i0 * jb->k,
                                  jb->d + i0 * nsb, jb->bs16 + i0 * nsb * per, jb->out + i0 * jb->out_stride, jb->out_stride);
         }
         return NULL;
@@ -1056,10 +1091,6 @@ static void *run_job(void *arg) {
                     dequant_block(jb->type, b, wf, gl);
                     for (int64_t i = 0; i < jb->n; i++) ar[i] += dot_d(wf, jb->x + i * jb->k + s * QK, gl);
                 }
-#ifdef LEVER_AVX512
-                else if (jb->type == T_Q4_K) block_q4k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bs16, ar);
-                else if (jb->type == T_Q6_K) block_q6k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bs16, ar);
-#endif
 #if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* AVX-512: Q8_0 and Q5_0 went to rows_q32_512 above */
                 else if (lanes == 8) block_q32_avx2(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, ar);
 #endif
