@@ -11,11 +11,20 @@ the target's compute bounds it (an AVX2 host: a verified row costs ~30 ms of one
 the pass and the draft each run nearly twice as fast alone as beside each other, and they
 share one memory bus. The answer can also change with the load on a shared machine.
 
-So the overlap passes measure it: their flash reads against their layer compute (moving
-averages). While the reads take longer, the cores idle for them and drafting beside the pass
-is free: overlap. Once compute takes longer, every core is busy and the draft beside the pass
-slows it: turns. Blocks of passes run one schedule; taking turns, one block in every
-``explore_every`` runs overlap again so that the measure follows the host.
+So the overlap passes measure it: their flash reads against their layer compute (the median of
+the last ``window`` overlap passes' compute less reads). While the reads take longer, the cores
+idle for them and drafting beside the pass is free: overlap. Once compute takes longer, every
+core is busy and the draft beside the pass slows it: turns. Blocks of passes run one schedule;
+taking turns, one block in every ``explore_every`` runs overlap again so that the measure follows
+the host.
+
+A median, not a moving average: the first passes of a request verify the large tree drafted
+beside its prefill and compute up to twice as long as the rest, and a moving average seeded by
+them stayed above the reads through the warm-up. On a disk reading 3.6-4 GB/s, where overlap
+passes read for 0.23 s and computed for 0.15 s, lever then took turns for the next 20-50 passes
+and ran 0.91x and 0.93x `+no-auto-schedule` (HumanEval 0:10, 768 MiB, 2026-12-06; in the trace of
+one run the first two passes computed 0.50 and 0.31 s against 0.24 s of reads, and the average was
+still 0.27 against 0.23 after six passes).
 
 Measured (docs/measured-history.md, "The session before: lever picks its schedule by the
 host"; `+no-auto-schedule` is overlap always, `+no-overlap` turns always):
@@ -35,9 +44,9 @@ Pure logic, no trio: the driver reports each pass and asks which schedule the ne
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-
-from lever_actors.planner import ema
+from statistics import median
 
 OVERLAP, TURNS = "overlap", "turns"
 SCHEDULES = (OVERLAP, TURNS)
@@ -51,10 +60,9 @@ class ScheduleChoice:
     warmup: int = 2  # overlap blocks before the first choice
     explore_every: int = 8  # taking turns, any this many blocks in a row hold an overlap block
     decay: float = 0.8  # weight of a schedule's earlier blocks in its reported tokens per second
-    alpha: float = 0.2  # weight of an overlap pass's newest reads and compute in their moving averages
+    window: int = 6  # the latest overlap passes whose reads and compute the choice rests on
     current: str = OVERLAP
-    reads_s: float | None = None  # an overlap pass's flash reads (moving average)
-    compute_s: float | None = None  # ... and its layer compute
+    passes: deque = field(default_factory=deque)  # (reads_s, compute_s) of the latest overlap passes
     tokens: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0.0))  # decayed sums per schedule
     seconds: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0.0))
     blocks: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0))
@@ -64,9 +72,8 @@ class ScheduleChoice:
     _block_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.block < 1 or self.warmup < 1 or self.explore_every < 1 or not 0.0 <= self.decay < 1.0 \
-                or not 0.0 < self.alpha <= 1.0:
-            raise ValueError("ScheduleChoice needs block, warmup, explore_every >= 1, 0 <= decay < 1, 0 < alpha <= 1")
+        if min(self.block, self.warmup, self.explore_every, self.window) < 1 or not 0.0 <= self.decay < 1.0:
+            raise ValueError("ScheduleChoice needs block, warmup, explore_every, window >= 1 and 0 <= decay < 1")
         if self.current not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.current!r}; schedules: {', '.join(SCHEDULES)}")
 
@@ -76,11 +83,21 @@ class ScheduleChoice:
         s = self.seconds[schedule]
         return self.tokens[schedule] / s if s > 0 else None
 
+    @property
+    def reads_s(self) -> float | None:
+        """The latest overlap passes' flash reads (median); None before one was measured."""
+        return median(r for r, _ in self.passes) if self.passes else None
+
+    @property
+    def compute_s(self) -> float | None:
+        """... and their layer compute."""
+        return median(c for _, c in self.passes) if self.passes else None
+
     def compute_bound(self) -> bool | None:
-        """Whether overlap passes compute longer than they read; None before one was measured."""
-        if self.compute_s is None:
+        """Whether overlap passes compute longer than they read (the median pass); None before one was measured."""
+        if not self.passes:
             return None
-        return self.compute_s > self.reads_s
+        return median(c - r for r, c in self.passes) > 0
 
     def observe(self, tokens: int, seconds: float, reads_s: float | None, compute_s: float) -> None:
         """One pass of the current schedule: ``tokens`` committed in a cycle of ``seconds`` (from its tree
@@ -89,8 +106,9 @@ class ScheduleChoice:
             raise ValueError(f"a pass's tokens and seconds are >= 0, got {tokens}, {seconds}, {reads_s}, {compute_s}")
         self._passes += 1
         if self.current == OVERLAP:
-            self.reads_s = ema(self.reads_s, reads_s or 0.0, self.alpha)
-            self.compute_s = ema(self.compute_s, compute_s, self.alpha)
+            self.passes.append((reads_s or 0.0, compute_s))
+            if len(self.passes) > self.window:
+                self.passes.popleft()
         self._block_tokens += tokens
         self._block_s += seconds
         if self._passes >= self.block:
