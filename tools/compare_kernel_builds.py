@@ -27,8 +27,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def load_build(path: str):
-    spec = importlib.util.spec_from_file_location("lever_actors._kernels", path)
+def load_build(path: str, i: int):
+    # a name of its own per build: loaded as "lever_actors._kernels" twice, the second build came back
+    # as the first module object (the interpreter caches single-phase extension modules by name)
+    spec = importlib.util.spec_from_file_location(f"lever_kernels_build{i}._kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -52,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     if not path.is_file():
         print(f"no GGUF at {path}: run `lever-actors models fetch` or pass --gguf", file=sys.stderr)
         return 2
-    builds = [load_build(p) for p in args.builds]
+    builds = [load_build(p, i) for i, p in enumerate(args.builds)]
+    if builds[0].matmul is builds[1].matmul:
+        print("both paths loaded the same module", file=sys.stderr)
+        return 2
     names = [Path(p).name for p in args.builds]
     print(f"A = {args.builds[0]} ({builds[0].simd()}), B = {args.builds[1]} ({builds[1].simd()})")
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
