@@ -502,6 +502,65 @@ static inline __m512i dot256_512(const __m512i *w, const __m512i *scl, const int
     return _mm512_add_epi32(t0, t1);
 }
 
+/* A Q4_K block's 256 codes as four registers of 64 (w[c] holds chunk c, one 32-byte run of nibbles:
+ * its low nibbles, sub-block 2c, in the lower 256 bits and its high nibbles, 2c+1, above, so it lines
+ * up with 64 contiguous activations) and each int16 lane's sub-block scale (scl); returns its eight
+ * scales and eight mins widened to int16 (lanes 0-7 and 8-15). */
+static inline __m512i unpack_q4k_512(const uint8_t *b, __m512i *w, __m512i *scl) {
+    static const int16_t SUB[4][32] = {
+        {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+        {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+        {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
+        {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
+    uint8_t scmn[16];
+    q4k_scales_mins16(b + 4, scmn);
+    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)scmn)));
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    for (int c = 0; c < 4; c++) {
+        __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c)));
+        w[c] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), m4);
+        scl[c] = _mm512_permutexvar_epi16(_mm512_loadu_si512(SUB[c]), sc16);
+    }
+    return sc16;
+}
+
+/* Which sub-block each int16 lane of a Q6_K block's four code registers belongs to (lane l of w[2h+r]:
+ * 8h + 4r + l/8), for unpack_q6k_512's scale permutes */
+static inline void q6k_sub_index_512(__m512i *idx) {
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < 2; r++) {
+            int16_t ix[32];
+            for (int l = 0; l < 32; l++) ix[l] = (int16_t)(8 * h + 4 * r + l / 8);
+            idx[2 * h + r] = _mm512_loadu_si512(ix);
+        }
+}
+
+/* A Q6_K block's 256 codes (0..63, the value is code - 32) as four registers of 64 contiguous elements
+ * and each int16 lane's sub-block scale (scl); returns its 16 scales widened to int16 (lower 256 bits) */
+static inline __m256i unpack_q6k_512(const uint8_t *b, const __m512i *idx, __m512i *w, __m512i *scl) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    const __m256i sc16w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    const __m512i sc16 = _mm512_castsi256_si512(sc16w);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *l = b + 64 * h;
+        __m256i vl0 = _mm256_loadu_si256((const __m256i *)l), vl1 = _mm256_loadu_si256((const __m256i *)(l + 32));
+        __m256i vh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        __m256i q0 = _mm256_or_si256(_mm256_and_si256(vl0, m4), _mm256_slli_epi16(_mm256_and_si256(vh, m2), 4));
+        __m256i q1 = _mm256_or_si256(_mm256_and_si256(vl1, m4),
+                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2), m2), 4));
+        __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl0, 4), m4),
+                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), m2), 4));
+        __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl1, 4), m4),
+                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
+        w[2 * h] = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);     /* elements 128h + 0..63 */
+        w[2 * h + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(q2), q3, 1); /* elements 128h + 64..127 */
+        scl[2 * h] = _mm512_permutexvar_epi16(idx[2 * h], sc16);
+        scl[2 * h + 1] = _mm512_permutexvar_epi16(idx[2 * h + 1], sc16);
+    }
+    return sc16w;
+}
+
 /* Per-block Q4_K / Q6_K kernels for the grouped loop in run_job: one block of a weight row against
  * every activation row, each output's 16 float lanes in acc + 16 * i. They take the calls whose
  * activation rows do not fit in L1 (see KQ_ROW_BYTES): each block's slice of them stays in L1 while
@@ -510,27 +569,8 @@ static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
                           const int16_t *bs16, float *acc) {
     const int64_t nsb = k / QK;
     float dw = f16_to_f32(b), dmin = f16_to_f32(b + 2);
-    uint8_t scmn[16];
-    q4k_scales_mins16(b + 4, scmn);
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    /* w[c] holds chunk c (64 elements, one 32-byte run of nibbles): its low
-     * nibbles (sub-block 2c) in the lower 256 bits, high nibbles (2c+1) above,
-     * so it lines up with 64 contiguous activations */
-    static const int16_t SUB[4][32] = {
-        {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
-        {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
-        {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
-        {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
-    const __m128i packed = _mm_loadu_si128((const __m128i *)scmn);
-    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(packed));
-    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     __m512i w[4], scl[4];
-    for (int c = 0; c < 4; c++) {
-        __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c)));
-        w[c] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), m4);
-        scl[c] = _mm512_permutexvar_epi16(_mm512_loadu_si512(SUB[c]), sc16);
-    }
-    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_srli_si128(packed, 8));
+    const __m128i mins16 = _mm512_extracti32x4_epi32(unpack_q4k_512(b, w, scl), 1);
     /* llama.cpp's lanes: eight scale lanes (our lane l plus lane l + 8) and four min lanes
      * (pair sums of the 16-element activation sums against the eight mins) */
     for (int64_t i = 0; i < n; i++) {
@@ -549,31 +589,10 @@ static void block_q4k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
 static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
                           const int16_t *bs16, float *acc) {
     const int64_t nsb = k / QK;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    float dw = f16_to_f32(b + 208);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)));
-    __m512i w[4], scl[4];
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *l = b + 64 * h;
-        __m256i vl0 = _mm256_loadu_si256((const __m256i *)l), vl1 = _mm256_loadu_si256((const __m256i *)(l + 32));
-        __m256i vh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-        __m256i q0 = _mm256_or_si256(_mm256_and_si256(vl0, m4), _mm256_slli_epi16(_mm256_and_si256(vh, m2), 4));
-        __m256i q1 = _mm256_or_si256(_mm256_and_si256(vl1, m4),
-                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2), m2), 4));
-        __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl0, 4), m4),
-                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), m2), 4));
-        __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl1, 4), m4),
-                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
-        w[2 * h] = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);     /* elements 128h + 0..63 */
-        w[2 * h + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(q2), q3, 1); /* elements 128h + 64..127 */
-        for (int r = 0; r < 2; r++) { /* int16 lane l of w[2h+r] belongs to sub-block 8h + 4r + l/8 */
-            int16_t idx[32];
-            for (int l = 0; l < 32; l++) idx[l] = (int16_t)(8 * h + 4 * r + l / 8);
-            scl[2 * h + r] = _mm512_permutexvar_epi16(_mm512_loadu_si512(idx), sc16);
-        }
-    }
-    const __m256i sc16w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+    const float dw = f16_to_f32(b + 208);
+    __m512i idx[4], w[4], scl[4];
+    q6k_sub_index_512(idx);
+    const __m256i sc16w = unpack_q6k_512(b, idx, w, scl);
     for (int64_t i = 0; i < n; i++) { /* llama.cpp's eight lanes, each less its pair of -32 offsets */
         const int8_t *a = q + i * k + s * QK;
         const __m512i t = dot256_512(w, scl, a);
@@ -599,30 +618,16 @@ static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
 static inline __attribute__((always_inline)) void row_q4k_512(
         const uint8_t *w, int64_t nsb, int64_t k, const int N, const int8_t *q, const float *d,
         const int16_t *bs16, float *out, int64_t stride, const uint8_t *pf) {
-    static const int16_t SUB[4][32] = {
-        {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
-        {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
-        {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
-        {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
     /* int16 lanes 16-23 take the mins (sc16's lanes 8-15), so madd puts their sums in int32 lanes 8-11 */
     static const int16_t MINS[32] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                      8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0};
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     __m512 fa[KQ_MAX];
     for (int i = 0; i < N; i++) fa[i] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *b = w + (size_t)s * 144;
         if (pf) for (int o = 0; o < 144; o += 64) __builtin_prefetch(pf + (size_t)s * 144 + o, 0, 3);
-        uint8_t scmn[16];
-        q4k_scales_mins16(b + 4, scmn);
-        const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)scmn)));
         __m512i wq[4], scl[4];
-        for (int c = 0; c < 4; c++) {
-            __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c)));
-            wq[c] = _mm512_and_si512(_mm512_srlv_epi16(v, shift), m4);
-            scl[c] = _mm512_permutexvar_epi16(_mm512_loadu_si512(SUB[c]), sc16);
-        }
+        const __m512i sc16 = unpack_q4k_512(b, wq, scl);
         const __m512i mins = _mm512_maskz_permutexvar_epi16(0x00FF0000u, _mm512_loadu_si512(MINS), sc16);
         const __m512 wd = _mm512_maskz_mov_ps(0x0FFF, _mm512_mask_blend_ps(0x0F00, _mm512_set1_ps(f16_to_f32(b)),
                                                                           _mm512_set1_ps(-f16_to_f32(b + 2))));
@@ -645,38 +650,15 @@ static inline __attribute__((always_inline)) void row_q4k_512(
 static inline __attribute__((always_inline)) void row_q6k_512(
         const uint8_t *w, int64_t nsb, int64_t k, const int N, const int8_t *q, const float *d,
         const int16_t *bs16, float *out, int64_t stride, const uint8_t *pf) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
     __m512i idx[4];
-    for (int h = 0; h < 2; h++)
-        for (int r = 0; r < 2; r++) { /* int16 lane l of wq[2h+r] belongs to sub-block 8h + 4r + l/8 */
-            int16_t ix[32];
-            for (int l = 0; l < 32; l++) ix[l] = (int16_t)(8 * h + 4 * r + l / 8);
-            idx[2 * h + r] = _mm512_loadu_si512(ix);
-        }
+    q6k_sub_index_512(idx);
     __m512 fa[KQ_MAX];
     for (int i = 0; i < N; i++) fa[i] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *b = w + (size_t)s * 210;
         if (pf) for (int o = 0; o < 210; o += 64) __builtin_prefetch(pf + (size_t)s * 210 + o, 0, 3);
-        const __m256i sc16w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-        const __m512i sc16 = _mm512_castsi256_si512(sc16w), sc16z = _mm512_zextsi256_si512(sc16w);
         __m512i wq[4], scl[4];
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *l = b + 64 * h;
-            __m256i vl0 = _mm256_loadu_si256((const __m256i *)l), vl1 = _mm256_loadu_si256((const __m256i *)(l + 32));
-            __m256i vh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-            __m256i q0 = _mm256_or_si256(_mm256_and_si256(vl0, m4), _mm256_slli_epi16(_mm256_and_si256(vh, m2), 4));
-            __m256i q1 = _mm256_or_si256(_mm256_and_si256(vl1, m4),
-                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 2), m2), 4));
-            __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl0, 4), m4),
-                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 4), m2), 4));
-            __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(vl1, 4), m4),
-                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
-            wq[2 * h] = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
-            wq[2 * h + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(q2), q3, 1);
-            scl[2 * h] = _mm512_permutexvar_epi16(idx[2 * h], sc16);
-            scl[2 * h + 1] = _mm512_permutexvar_epi16(idx[2 * h + 1], sc16);
-        }
+        const __m512i sc16z = _mm512_zextsi256_si512(unpack_q6k_512(b, idx, wq, scl));
         const __m512 wd = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(f16_to_f32(b + 208)));
         for (int i = 0; i < N; i++) {
             const __m512i t = dot256_512(wq, scl, q + i * k + s * QK);
