@@ -76,6 +76,7 @@ class ScheduleChoice:
             raise ValueError("ScheduleChoice needs block, warmup, explore_every, window >= 1 and 0 <= decay < 1")
         if self.current not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.current!r}; schedules: {', '.join(SCHEDULES)}")
+        self.passes = deque(self.passes, maxlen=self.window)  # the oldest pass drops out by itself
 
     def rate(self, schedule: str) -> float | None:
         """Committed tokens per second of ``schedule``'s cycles (recent blocks weigh more); None unmeasured.
@@ -107,8 +108,6 @@ class ScheduleChoice:
         self._passes += 1
         if self.current == OVERLAP:
             self.passes.append((reads_s or 0.0, compute_s))
-            if len(self.passes) > self.window:
-                self.passes.popleft()
         self._block_tokens += tokens
         self._block_s += seconds
         if self._passes >= self.block:

@@ -31,6 +31,8 @@ def load_build(path: str, i: int):
     # a name of its own per build: loaded as "lever_actors._kernels" twice, the second build came back
     # as the first module object (the interpreter caches single-phase extension modules by name)
     spec = importlib.util.spec_from_file_location(f"lever_kernels_build{i}._kernels", path)
+    if spec is None or not path.endswith(".so"):
+        raise ImportError(f"{path} is not a shared library (.so)")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -50,11 +52,24 @@ def main(argv: list[str] | None = None) -> int:
     from lever_actors import kernels as K
     from lever_actors.models import DEFAULT_PAIR, gguf_path
 
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows takes whole numbers separated by commas, got {args.rows!r}")
+    if min(rows) < 1 or args.threads < 1:
+        ap.error("--rows and --threads must be at least 1")
+    for p in args.builds:
+        if not Path(p).is_file():
+            ap.error(f"no kernels build at {p} (copy lever_actors/_kernels*.so aside before rebuilding)")
     path = Path(args.gguf) if args.gguf else gguf_path(DEFAULT_PAIR["target"])
     if not path.is_file():
         print(f"no GGUF at {path}: run `lever-actors models fetch` or pass --gguf", file=sys.stderr)
         return 2
-    builds = [load_build(p, i) for i, p in enumerate(args.builds)]
+    try:
+        builds = [load_build(p, i) for i, p in enumerate(args.builds)]
+    except ImportError as e:
+        print(f"not a kernels build: {e}", file=sys.stderr)
+        return 2
     if builds[0].matmul is builds[1].matmul:
         print("both paths loaded the same module", file=sys.stderr)
         return 2
@@ -99,11 +114,17 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     layers = sorted({int(n.split(".")[1]) for n in tensors if n.startswith("blk.")})
+    kinds = sorted({n.split(".")[-2] for n, t in tensors.items()  # the matrices the kernels take
+                    if n.startswith("blk.") and t.tensor_type.name in K.TYPES and t.tensor_type.name != "F32"})
+    unknown = [t for t in args.tensors.split(",") if t not in kinds]
+    if unknown:
+        print(f"no tensor {', '.join(unknown)} in {path.name}; its layers have: {', '.join(kinds)}", file=sys.stderr)
+        return 2
     for kind in args.tensors.split(","):
         ms = [matrix(f"blk.{i}.{kind}.weight") for i in layers]
         for qtype in sorted({m.qtype for m in ms}):
             group = [m for m in ms if m.qtype == qtype]
-            for n in (int(r) for r in args.rows.split(",")):
+            for n in rows:
                 a = K.quantize_rows(rng.standard_normal((n, group[0].k)).astype(np.float32))
                 best = [float("inf")] * 2
                 for _ in range(4):
