@@ -52,6 +52,8 @@ ABLATIONS = (
     ("no-auto-schedule", "lever always drafts the next tree beside the pass (overlap), instead of measuring that "
                          "against taking turns (the pass on every core, then the draft on every core) and running "
                          "the faster"),
+    ("no-turns-veto", "lever may take turns again right after turns blocks committed fewer tokens a second "
+                      "than its overlap blocks (by default it waits 32 blocks before trying turns again)"),
     ("fixed-tree", "lever verifies the whole drafted tree instead of the gain/cost plan"),
     ("no-prune", "lever computes every tree node through every layer (no early-exit pruning)"),
     ("no-vocab-trim", "lever's draft scores the whole vocabulary instead of its calibrated subset plus the "
@@ -98,7 +100,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g = p.add_argument_group("runtime")
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
-                        "optionally +no-overlap / +no-auto-schedule / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
+                        "optionally +no-overlap / +no-auto-schedule / +no-turns-veto / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
                         "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline / +no-coupled (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")

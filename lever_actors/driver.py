@@ -264,7 +264,7 @@ class Pipeline:
         self.lever.costs.buckets = cfg.buckets
         self.lever.marginal_depth = cfg.marginal_depth
         self.lever.calibrated_ahead = cfg.calibrated_ahead
-        self.schedule = ScheduleChoice()  # lever's overlap or turns, measured (persists across generations)
+        self.schedule = ScheduleChoice(veto=cfg.turns_veto)  # lever's overlap or turns, measured (persists across generations)
         self.prune_exits: tuple[int, ...] = ()  # exit layers of lever passes (set when a pruner runs)
         self.prune_threshold: float | None = None
         self.prune_note = "off"

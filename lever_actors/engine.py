@@ -84,7 +84,7 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 
 
 # ablations: no cross-step drafting; lever always drafting beside its passes (not choosing that or taking
-# turns by measurement); lever without its planner; lever without early-exit pruning; the
+# turns by measurement); lever taking turns again right after turns ran slower than overlap; lever without its planner; lever without early-exit pruning; the
 # draft's full LM head instead of its calibrated vocabulary subset; lever drafting to its depth cap every time;
 # lever without free prompt-lookup branches; lever drafting ahead for the main outcome only; lever
 # drafting on after the commit; waited-for drafts (lever's and the pipelined chains') on the drafting
@@ -96,7 +96,7 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # commits, the drafts ahead cut at a node's marginal cost to a pass bound by its reads (not its whole
 # compute), and no level drafted ahead that would outlast the pass; and any sampled mode sampling by
 # speculative rejection, not coupled by Gumbel noise by position
-MODE_FLAGS = ("no-overlap", "no-auto-schedule", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
+MODE_FLAGS = ("no-overlap", "no-auto-schedule", "no-turns-veto", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
               "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
               "no-core-lend", "no-calibrated-ahead", "marginal-depth", "level-deadline", "no-coupled")
 
@@ -147,6 +147,7 @@ class EngineConfig:
     build_threads: int = 1  # lane width for wrapping streamed buffers (instant for native layers)
     overlap: bool = True  # cross-step drafting: draft the likely next tree while the target verifies
     auto_schedule: bool = True  # lever: measure overlap against taking turns and run the faster (schedule.py)
+    turns_veto: bool = True  # lever: turns measured slower than overlap is not taken again for a while (schedule.py)
     fixed_tree: bool = False  # lever without its planner: verify the whole drafted tree
     prune: bool = True  # lever: early-exit pruning (when the target has a calibration or a threshold is given)
     prune_layer: int | None = None  # None: the calibrated exit layer
@@ -179,6 +180,7 @@ class EngineConfig:
             budget, source = budget_with_source(name, text.split("@", 1)[1])
         return replace(self, mode=name, gamma=gamma, overlap=self.overlap and "no-overlap" not in flags,
                        auto_schedule=self.auto_schedule and "no-auto-schedule" not in flags,
+                       turns_veto=self.turns_veto and "no-turns-veto" not in flags,
                        fixed_tree=self.fixed_tree or "fixed-tree" in flags, prune=self.prune and "no-prune" not in flags,
                        vocab_trim=self.vocab_trim and "no-vocab-trim" not in flags,
                        adaptive_depth=self.adaptive_depth and "no-adaptive-depth" not in flags,
@@ -218,7 +220,8 @@ class EngineConfig:
             lane=LaneConfig(threads=threads or 1, providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
                             precision=args.precision),
             trace=trace, overlap=not getattr(args, "no_overlap", False),
-            auto_schedule=not getattr(args, "no_auto_schedule", False), fixed_tree=getattr(args, "fixed_tree", False), prune=not getattr(args, "no_prune", False),
+            auto_schedule=not getattr(args, "no_auto_schedule", False), turns_veto=not getattr(args, "no_turns_veto", False),
+            fixed_tree=getattr(args, "fixed_tree", False), prune=not getattr(args, "no_prune", False),
             prune_layer=getattr(args, "prune_layer", None), prune_threshold=getattr(args, "prune_threshold", None),
             buckets=_buckets(getattr(args, "buckets", None)), draft_threads=draft_threads or 1,
             auto_threads=threads is None and draft_threads is None,
@@ -241,6 +244,8 @@ class EngineConfig:
             text += "+no-overlap"
         if self.mode == "lever" and self.overlap and not self.auto_schedule:
             text += "+no-auto-schedule"
+        if self.mode == "lever" and self.overlap and self.auto_schedule and not self.turns_veto:
+            text += "+no-turns-veto"
         if self.mode == "lever" and self.fixed_tree:
             text += "+fixed-tree"
         if self.mode == "lever" and not self.prune:

@@ -34,6 +34,20 @@ host"; `+no-auto-schedule` is overlap always, `+no-overlap` turns always):
 * The same host with reads capped at 1.5 GB/s (development prompts): compute 0.68x the reads;
   no pass took turns, where `+no-overlap` ran 0.85x overlap.
 
+Turns that ran slower is not taken again for a while (``veto``; ``+no-turns-veto`` switches it off).
+Compute near the reads says little about which schedule is faster: on this AVX-512 host, its disk
+reading 3.1-3.3 GB/s (2026-12-06, HumanEval 10:40, 768 MiB), lever took turns on whole prompts whose
+overlap passes computed about as long as they read (21-28% of its passes), and its turns blocks
+committed 21.5-21.8 tokens a second against its overlap blocks' 28.5-33.6: a tree drafted after the
+pass is cut where a waited-for level stops paying, shallower than one drafted beside it. So once a
+turns block's rate falls below the overlap blocks' (each a decayed sum over its recent blocks), the
+next blocks run overlap until ``forget`` blocks have passed, and then turns may be tried again. In
+the same runs (`bench --modes lever,lever+no-turns-veto,lever+no-auto-schedule`, twice) lever took
+turns in 1-3% of its passes and ran 23.51 / 22.69 tok/s against 21.98 / 22.28 without the veto
+(1.07x, 1.02x; 7.26 / 7.37 against 6.93 / 6.71 tok/s per GB/s read) and level with always drafting
+beside (23.54 / 23.80). A rate rests on a few prompts, so the veto can misjudge too; it only ever
+holds turns back, and forgets.
+
 Tried first, and not kept: choosing by what each schedule reached, in blocks of three passes.
 A pass commits 1 to 10 tokens and takes 0.5-0.9 s depending on the prompt and its trees, about
 as much as the schedule moves it. Tokens per second, the planner's expected tokens, seconds per
@@ -61,6 +75,8 @@ class ScheduleChoice:
     explore_every: int = 8  # taking turns, any this many blocks in a row hold an overlap block
     decay: float = 0.8  # weight of a schedule's earlier blocks in its reported tokens per second
     window: int = 6  # the latest overlap passes whose reads and compute the choice rests on
+    veto: bool = True  # turns that committed fewer tokens a second than overlap is not taken again until forgotten
+    forget: int = 32  # blocks after which a turns block's rate no longer vetoes turns
     current: str = OVERLAP
     passes: deque = field(default_factory=deque)  # (reads_s, compute_s) of the latest overlap passes
     tokens: dict = field(default_factory=lambda: dict.fromkeys(SCHEDULES, 0.0))  # decayed sums per schedule
@@ -72,15 +88,16 @@ class ScheduleChoice:
     _block_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.block, self.warmup, self.explore_every, self.window) < 1 or not 0.0 <= self.decay < 1.0:
-            raise ValueError("ScheduleChoice needs block, warmup, explore_every, window >= 1 and 0 <= decay < 1")
+        if min(self.block, self.warmup, self.explore_every, self.window, self.forget) < 1 or not 0.0 <= self.decay < 1.0:
+            raise ValueError("ScheduleChoice needs block, warmup, explore_every, window, forget >= 1 and 0 <= decay < 1")
         if self.current not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.current!r}; schedules: {', '.join(SCHEDULES)}")
         self.passes = deque(self.passes, maxlen=self.window)  # the oldest pass drops out by itself
 
     def rate(self, schedule: str) -> float | None:
         """Committed tokens per second of ``schedule``'s cycles (recent blocks weigh more); None unmeasured.
-        Reported, not decided on (the prompt moves it more than the schedule does)."""
+        Not what the choice rests on (the prompt moves it more than the schedule does), only a veto:
+        turns that ran slower than overlap is not taken again until ``forget`` blocks later."""
         s = self.seconds[schedule]
         return self.tokens[schedule] / s if s > 0 else None
 
@@ -99,6 +116,13 @@ class ScheduleChoice:
         if not self.passes:
             return None
         return median(c - r for r, c in self.passes) > 0
+
+    def turns_lost(self) -> bool:
+        """Whether turns blocks committed fewer tokens a second than overlap blocks, measured within the
+        last ``forget`` blocks (older, the host may have changed: turns may be tried again)."""
+        turns, overlap = self.rate(TURNS), self.rate(OVERLAP)
+        recent = sum(self.blocks.values()) - self.last_block[TURNS] < self.forget
+        return turns is not None and overlap is not None and recent and turns < overlap
 
     def observe(self, tokens: int, seconds: float, reads_s: float | None, compute_s: float) -> None:
         """One pass of the current schedule: ``tokens`` committed in a cycle of ``seconds`` (from its tree
@@ -123,7 +147,7 @@ class ScheduleChoice:
         self.current = self._next()
 
     def _next(self) -> str:
-        if self.blocks[OVERLAP] < self.warmup or not self.compute_bound():
+        if self.blocks[OVERLAP] < self.warmup or not self.compute_bound() or (self.veto and self.turns_lost()):
             return OVERLAP
         if sum(self.blocks.values()) - self.last_block[OVERLAP] >= self.explore_every - 1:
             return OVERLAP  # measured again: the host's load may have changed

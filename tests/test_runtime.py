@@ -439,7 +439,7 @@ def alternate_schedules(monkeypatch) -> None:
     from lever_actors.schedule import ScheduleChoice
 
     monkeypatch.setattr(ScheduleChoice, "_next", lambda self: "turns" if self.current == "overlap" else "overlap")
-    monkeypatch.setattr(driver, "ScheduleChoice", lambda: ScheduleChoice(block=1))
+    monkeypatch.setattr(driver, "ScheduleChoice", lambda **kw: ScheduleChoice(block=1, **kw))
 
 
 @pytest.mark.parametrize("draft_kind", ["perturbed", "exact", "unrelated"])
