@@ -156,4 +156,5 @@ class ScheduleChoice:
     def describe(self) -> dict:
         return {"current": self.current, "blocks": dict(self.blocks),
                 "reads_s": self.reads_s, "compute_s": self.compute_s,
-                "tokens_per_s": {s: self.rate(s) for s in SCHEDULES}}
+                "tokens_per_s": {s: self.rate(s) for s in SCHEDULES},
+                "turns_vetoed": self.veto and self.turns_lost()}

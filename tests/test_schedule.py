@@ -68,6 +68,9 @@ def test_turns_that_commit_fewer_tokens_a_second_is_not_taken_again_until_forgot
     blocks committed 20.8-24.4 tokens a second against its overlap blocks' 33.9-34.7 (their shallower
     trees are drafted after the pass)."""
     choice = ScheduleChoice(forget=12)
+    assert run_rates(choice, blocks=4, overlap_tokens=7, turns_tokens=4) == [OVERLAP, OVERLAP, TURNS, OVERLAP]
+    assert choice.describe()["turns_vetoed"] and choice.compute_bound()  # the stats say why it runs overlap
+    choice = ScheduleChoice(forget=12)
     order = run_rates(choice, blocks=40, overlap_tokens=7, turns_tokens=4)
     at = [i for i, x in enumerate(order) if x == TURNS]
     assert at and order[at[0] + 1] == OVERLAP  # one turns block, then back
