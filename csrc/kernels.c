@@ -526,14 +526,14 @@ static inline __m512i unpack_q4k_512(const uint8_t *b, __m512i *w, __m512i *scl)
 }
 
 /* Which sub-block each int16 lane of a Q6_K block's four code registers belongs to (lane l of w[2h+r]:
- * 8h + 4r + l/8), for unpack_q6k_512's scale permutes */
+ * 8h + 4r + l/8), for unpack_q6k_512's scale permutes: a constant table, not rebuilt per block */
 static inline void q6k_sub_index_512(__m512i *idx) {
-    for (int h = 0; h < 2; h++)
-        for (int r = 0; r < 2; r++) {
-            int16_t ix[32];
-            for (int l = 0; l < 32; l++) ix[l] = (int16_t)(8 * h + 4 * r + l / 8);
-            idx[2 * h + r] = _mm512_loadu_si512(ix);
-        }
+    static const int16_t SUB6[4][32] = {
+        {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+        {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+        {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+        {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+    for (int j = 0; j < 4; j++) idx[j] = _mm512_loadu_si512(SUB6[j]);
 }
 
 /* A Q6_K block's 256 codes (0..63, the value is code - 32) as four registers of 64 contiguous elements

@@ -124,6 +124,10 @@ class ScheduleChoice:
         recent = sum(self.blocks.values()) - self.last_block[TURNS] < self.forget
         return turns is not None and overlap is not None and recent and turns < overlap
 
+    def turns_vetoed(self) -> bool:
+        """Whether the veto holds turns back now."""
+        return self.veto and self.turns_lost()
+
     def observe(self, tokens: int, seconds: float, reads_s: float | None, compute_s: float) -> None:
         """One pass of the current schedule: ``tokens`` committed in a cycle of ``seconds`` (from its tree
         being ready to the next tree being ready), its flash reads (None: nothing streams) and compute."""
@@ -147,7 +151,7 @@ class ScheduleChoice:
         self.current = self._next()
 
     def _next(self) -> str:
-        if self.blocks[OVERLAP] < self.warmup or not self.compute_bound() or (self.veto and self.turns_lost()):
+        if self.blocks[OVERLAP] < self.warmup or not self.compute_bound() or self.turns_vetoed():
             return OVERLAP
         if sum(self.blocks.values()) - self.last_block[OVERLAP] >= self.explore_every - 1:
             return OVERLAP  # measured again: the host's load may have changed
@@ -157,4 +161,4 @@ class ScheduleChoice:
         return {"current": self.current, "blocks": dict(self.blocks),
                 "reads_s": self.reads_s, "compute_s": self.compute_s,
                 "tokens_per_s": {s: self.rate(s) for s in SCHEDULES},
-                "turns_vetoed": self.veto and self.turns_lost()}
+                "turns_vetoed": self.turns_vetoed()}
