@@ -211,7 +211,7 @@ class NpuVerifier:
             out = np.concatenate(parts) if len(parts) > 1 else parts[0]
         self.tracer.add(f"layer {stage}" if stage < self.m.n_layer else f"lm head {stage - self.m.n_layer}", "npu",
                         t0, time.perf_counter(),
-                        rows=int(len(x)))
+                        rows=int(len(x) if stage < self.m.n_layer else len(rows)))  # the head computes ``rows`` only
         return out
 
     async def verify(self, plan: VerifyPlan) -> VerifyDone:
