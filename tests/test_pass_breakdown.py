@@ -43,10 +43,15 @@ def test_decode_passes_run_from_their_first_layer_to_the_next_pass_s():
 
 
 def test_the_tool_reads_trace_files_and_refuses_what_is_not_one(tmp_path):
-    good, bad = tmp_path / "t.json", tmp_path / "bad.json"
+    good = tmp_path / "t.json"
     good.write_text(json.dumps({"traceEvents": trace()}))
-    bad.write_text("[1, 2]")
     out = subprocess.run([sys.executable, str(TOOL), str(good)], capture_output=True, text=True)
     assert out.returncode == 0 and "2 passes, 275 ms a pass" in out.stdout and "1 long" in out.stdout
-    out = subprocess.run([sys.executable, str(TOOL), str(bad)], capture_output=True, text=True)
+    for i, text in enumerate(["[1, 2]", "{", json.dumps({"traceEvents": [1]}),
+                              json.dumps({"traceEvents": [{"ph": "X", "name": "layer 0"}]})]):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(text)
+        out = subprocess.run([sys.executable, str(TOOL), str(bad)], capture_output=True, text=True)
+        assert out.returncode != 0 and "not a trace written by --trace" in out.stderr, text
+    out = subprocess.run([sys.executable, str(TOOL), str(tmp_path / "missing.json")], capture_output=True, text=True)
     assert out.returncode != 0 and "not a trace written by --trace" in out.stderr

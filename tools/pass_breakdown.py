@@ -83,10 +83,9 @@ def main() -> int:
     for path in a.traces:
         try:
             with open(path) as f:
-                events = json.load(f)["traceEvents"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            sys.exit(f"pass_breakdown: {path}: not a trace written by --trace ({exc})")
-        rows = passes(events)
+                rows = passes(json.load(f)["traceEvents"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            sys.exit(f"pass_breakdown: {path}: not a trace written by --trace ({exc!r})")
         every += rows
         if a.json:
             print(json.dumps({"trace": path, "passes": rows}))
