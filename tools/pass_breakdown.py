@@ -22,6 +22,7 @@ def passes(events: list[dict]) -> list[dict]:
     """One row per decode pass (a ``verify pass`` span; a prefill is not one) that has a successor
     (its end is the next pass's first ``layer 0``), in ms."""
     spans = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"])
+    starts = np.array([e["ts"] for e in spans], float)
     layer0 = np.array([e["ts"] for e in spans if e["name"] == "layer 0"], float)
     rows = []
     for v in (e for e in spans if e["name"] == "verify pass"):
@@ -29,7 +30,7 @@ def passes(events: list[dict]) -> list[dict]:
         if k + 1 >= len(layer0):
             continue
         a, b = layer0[k], layer0[k + 1]
-        inside = [e for e in spans if a <= e["ts"] < b]
+        inside = spans[np.searchsorted(starts, a):np.searchsorted(starts, b)]  # the spans starting in [a, b)
         heads = [e for e in inside if e["name"].startswith("lm head")]
         waits = [e["dur"] for e in inside if e["name"] == "draft wait"]
         rows.append({
