@@ -536,12 +536,9 @@ static inline void q6k_sub_index_512(__m512i *idx) {
     for (int j = 0; j < 4; j++) idx[j] = _mm512_loadu_si512(SUB6[j]);
 }
 
-/* A Q6_K block's 256 codes (0..63, the value is code - 32) as four registers of 64 contiguous elements
- * and each int16 lane's sub-block scale (scl); returns its 16 scales widened to int16 (lower 256 bits) */
-static inline __m256i unpack_q6k_512(const uint8_t *b, const __m512i *idx, __m512i *w, __m512i *scl) {
+/* A Q6_K block's 256 codes (0..63, the value is code - 32) as four registers of 64 contiguous elements */
+static inline void q6k_codes_512(const uint8_t *b, __m512i *w) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-    const __m256i sc16w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-    const __m512i sc16 = _mm512_castsi256_si512(sc16w);
     for (int h = 0; h < 2; h++) {
         const uint8_t *l = b + 64 * h;
         __m256i vl0 = _mm256_loadu_si256((const __m256i *)l), vl1 = _mm256_loadu_si256((const __m256i *)(l + 32));
@@ -555,9 +552,15 @@ static inline __m256i unpack_q6k_512(const uint8_t *b, const __m512i *idx, __m51
                                      _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(vh, 6), m2), 4));
         w[2 * h] = _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);     /* elements 128h + 0..63 */
         w[2 * h + 1] = _mm512_inserti64x4(_mm512_castsi256_si512(q2), q3, 1); /* elements 128h + 64..127 */
-        scl[2 * h] = _mm512_permutexvar_epi16(idx[2 * h], sc16);
-        scl[2 * h + 1] = _mm512_permutexvar_epi16(idx[2 * h + 1], sc16);
     }
+}
+
+/* q6k_codes_512 plus each int16 lane's sub-block scale (scl); returns the 16 scales widened to int16 */
+static inline __m256i unpack_q6k_512(const uint8_t *b, const __m512i *idx, __m512i *w, __m512i *scl) {
+    const __m256i sc16w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    const __m512i sc16 = _mm512_castsi256_si512(sc16w);
+    q6k_codes_512(b, w);
+    for (int c = 0; c < 4; c++) scl[c] = _mm512_permutexvar_epi16(idx[c], sc16);
     return sc16w;
 }
 
@@ -605,6 +608,34 @@ static void block_q6k_512(const uint8_t *b, int64_t s, int64_t k, int64_t n, con
     }
 }
 
+/* Two activation rows' eight folded lanes at once (lanes 0-7 row 0's, 8-15 row 1's: what dot256_512
+ * gives each row after its upper eight lanes are added to its lower eight). Per code register, one
+ * two-source word permute puts each folded lane's two four-sums side by side as an int16 pair and one
+ * multiply-add scales and adds them, so the fold costs nothing of its own. A four-sum (vpdpbusd) is at
+ * most 4 x 63 x 128 = 32256 in magnitude, an int16. fs[c]: the scale pairs. */
+static inline __m512i dot_pair_q6k_512(const __m512i *w, const __m512i *fs, const int8_t *a0, const int8_t *a1) {
+    static const int16_t FOLD[32] = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30,
+                                     32, 48, 34, 50, 36, 52, 38, 54, 40, 56, 42, 58, 44, 60, 46, 62};
+    const __m512i z = _mm512_setzero_si512(), fold = _mm512_loadu_si512(FOLD);
+    __m512i v = z;
+    for (int c = 0; c < 4; c++) {
+        const __m512i s0 = _mm512_dpbusd_epi32(z, w[c], _mm512_loadu_si512(a0 + 64 * c));
+        const __m512i s1 = _mm512_dpbusd_epi32(z, w[c], _mm512_loadu_si512(a1 + 64 * c));
+        v = _mm512_dpwssd_epi32(v, _mm512_permutex2var_epi16(s0, fold, s1), fs[c]);
+    }
+    return v;
+}
+
+/* dot_pair_q6k_512's scales: word 2L of fs[c] the sub-block of lane L % 8 of code register c, word 2L + 1
+ * that of lane L % 8 + 8 */
+static inline void q6k_fold_scales_512(__m256i sc16, __m512i *fs) {
+    static const int16_t LANE[32] = {0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3,
+                                     0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3};
+    const __m512i lane = _mm512_loadu_si512(LANE), sc = _mm512_castsi256_si512(sc16);
+    for (int c = 0; c < 4; c++)
+        fs[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(lane, _mm512_set1_epi16((short)(4 * c))), sc);
+}
+
 /* One K-quant weight row through all its blocks against N <= KQ_MAX activation rows (the AVX2
  * row kernels' shape). A block's codes and scales are unpacked once for every activation row, and
  * each row's float lanes live in one register for the whole row: lanes 0-7 llama.cpp's eight scale
@@ -646,32 +677,43 @@ static inline __attribute__((always_inline)) void row_q4k_512(
     }
 }
 
-/* Q6_K likewise: lanes 0-7 the scale lanes less their -32 offsets, lanes 8-15 multiplied by zero */
+/* Q6_K likewise, two activation rows to a float register: lanes 0-7 row i's eight scale lanes, 8-15
+ * row i + 1's (dot_pair_q6k_512; an odd last row is paired with itself and its copy never read). Each
+ * row's -32 offsets enter its integer sum as one more multiply-add (its sub-block sums against the
+ * scales times -32) rather than a multiply, shift and subtract of their own, and one conversion and
+ * fused add serve both rows. Integer sums in any order are the same integer and every lane gets the
+ * fused add it got before (d_i x dw, in block order), so the bits are the ones of the one-row-per-register
+ * kernel this replaced. */
 static inline __attribute__((always_inline)) void row_q6k_512(
         const uint8_t *w, int64_t nsb, int64_t k, const int N, const int8_t *q, const float *d,
         const int16_t *bs16, float *out, int64_t stride, const uint8_t *pf) {
-    __m512i idx[4];
-    q6k_sub_index_512(idx);
-    __m512 fa[KQ_MAX];
-    for (int i = 0; i < N; i++) fa[i] = _mm512_setzero_ps();
+    __m512 fa[KQ_MAX / 2];
+    for (int p = 0; p < (N + 1) / 2; p++) fa[p] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *b = w + (size_t)s * 210;
         if (pf) for (int o = 0; o < 210; o += 64) __builtin_prefetch(pf + (size_t)s * 210 + o, 0, 3);
-        __m512i wq[4], scl[4];
-        const __m512i sc16z = _mm512_zextsi256_si512(unpack_q6k_512(b, idx, wq, scl));
-        const __m512 wd = _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(f16_to_f32(b + 208)));
-        for (int i = 0; i < N; i++) {
-            const __m512i t = dot256_512(wq, scl, q + i * k + s * QK);
-            const __m512i off = _mm512_slli_epi32(
-                _mm512_madd_epi16(_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(bs16 + (i * nsb + s) * 16))),
-                                  sc16z), 5);
-            const __m512i v = _mm512_sub_epi32(_mm512_add_epi32(t, _mm512_shuffle_i64x2(t, t, 0x4E)), off);
-            fa[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[i * nsb + s]), wd), _mm512_cvtepi32_ps(v), fa[i]);
+        __m512i wq[4], fs[4];
+        q6k_codes_512(b, wq);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        q6k_fold_scales_512(sc16, fs);
+        /* -32 x a scale fits int16 (at most 4096 in magnitude), in both halves: a pair's offsets go into
+         * its folded lanes (row i's sub-block sums below, row i + 1's above) in one multiply-add */
+        const __m512i off = _mm512_broadcast_i64x4(_mm256_mullo_epi16(sc16, _mm256_set1_epi16(-32)));
+        const __m512 dw = _mm512_set1_ps(f16_to_f32(b + 208));
+#pragma GCC unroll 12 /* fa must stay in registers: a loop left rolled kept it on the stack */
+        for (int i = 0; i < N; i += 2) {
+            const int i1 = i + 1 < N ? i + 1 : i;
+            const __m512i bs = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(bs16 + (i * nsb + s) * 16))),
+                _mm256_loadu_si256((const __m256i *)(bs16 + (i1 * nsb + s) * 16)), 1);
+            const __m512i v = _mm512_dpwssd_epi32(dot_pair_q6k_512(wq, fs, q + i * k + s * QK, q + i1 * k + s * QK), bs, off);
+            const __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[i * nsb + s]), _mm512_set1_ps(d[i1 * nsb + s]));
+            fa[i / 2] = _mm512_fmadd_ps(_mm512_mul_ps(dd, dw), _mm512_cvtepi32_ps(v), fa[i / 2]);
         }
     }
-    for (int i = 0; i < N; i++) {
-        float a[16];
-        _mm512_storeu_ps(a, fa[i]);
+    for (int i = 0; i < N; i++) { /* ksum over a row's eight lanes and four zero min lanes, as before */
+        float a[16] = {0};
+        _mm256_storeu_ps(a, i % 2 ? _mm512_extractf32x8_ps(fa[i / 2], 1) : _mm512_castps512_ps256(fa[i / 2]));
         out[i * stride] = ksum(a);
     }
 }
