@@ -30,9 +30,11 @@
 #define LEVER_AVX512 1
 #endif
 
-enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3, T_Q5_0 = 4, T_Q5_0R = 5 };
-/* T_Q5_0R: Q5_0 rows whose block pairs a resident model rearranged in place (q5_0_pair_repack) */
-#define T_LAST T_Q5_0R
+enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3, T_Q5_0 = 4, T_Q5_0R = 5, T_Q4_0 = 6, T_Q4_0R = 7 };
+/* T_Q5_0R: Q5_0 rows whose block pairs a resident model rearranged in place (q5_0_pair_repack).
+ * T_Q4_0: the draft's matrices requantized at load (requantize_q4_0), never the target's; T_Q4_0R: those rows
+ * with their block pairs rearranged like Q5_0R (AVX-512 builds, q32_pairs) */
+#define T_LAST T_Q4_0R
 #define QK 256
 #define KLANES 16 /* floats each K-quant output keeps per activation row until its final sum */
 /* Activation rows the K-quant row kernels (AVX2 and AVX-512) take at once; more go KQ_MAX at a time over slices of
@@ -59,6 +61,9 @@ _Static_assert(KQ_MAX == 12, "few_rows_kq has a case for each row count up to KQ
 static inline int64_t n_groups(int64_t k) { return (k + QK - 1) / QK; }
 static inline int64_t group_len(int64_t k, int64_t s) { return k - s * QK < QK ? k - s * QK : QK; }
 static inline int is_kquant(int type) { return type == T_Q4_K || type == T_Q6_K; }
+/* the 32-block types: one f16 scale per 32 weights */
+static inline int is_q32(int type) { return type == T_Q8_0 || type == T_Q5_0 || type == T_Q5_0R || type == T_Q4_0 || type == T_Q4_0R; }
+static inline int q32_block_bytes(int type) { return type == T_Q8_0 ? 34 : type == T_Q4_0 || type == T_Q4_0R ? 18 : 22; }
 
 static float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -87,13 +92,15 @@ static size_t row_bytes(int type, int64_t k) {
     case T_Q8_0: return (size_t)(k / 32) * 34;
     case T_Q5_0:
     case T_Q5_0R: return (size_t)(k / 32) * 22;
+    case T_Q4_0:
+    case T_Q4_0R: return (size_t)(k / 32) * 18;
     default: return (size_t)k * 4;
     }
 }
 
 /* Bytes of one QK-column group of a weight row (eight 32-blocks for Q8_0 / Q5_0). */
 static size_t group_bytes(int type) {
-    return type == T_Q4_K ? 144 : type == T_Q6_K ? 210 : type == T_Q8_0 ? 272 : type == T_Q5_0 || type == T_Q5_0R ? 176 : QK * 4;
+    return type == T_Q4_K ? 144 : type == T_Q6_K ? 210 : is_q32(type) ? 8 * q32_block_bytes(type) : QK * 4;
 }
 
 /* Q5_0R: each whole pair of blocks (2c, 2c + 1) of a QK-column group, 44 bytes, holds the same codes
@@ -164,19 +171,48 @@ static void q5_0_pair_unpack(const uint8_t *p, uint8_t *b) {
     }
 }
 
-/* Every whole block pair of n Q5_0 rows of k columns, to Q5_0R in place (or back) */
-static void q5_0_pairs(uint8_t *w, int64_t n, int64_t k, int to_repacked) {
-    const size_t rb = row_bytes(T_Q5_0, k);
+/* Q4_0R: Q5_0R without fifth bits: a whole pair of a group's Q4_0 blocks, 36 bytes, is 32 bytes of
+ * code nibbles in element order (block 2c's in the low nibbles, 2c + 1's in the high) and the two f16
+ * scales, so a pair unpacks in three instructions (q4_0r_codes_512) instead of the GGUF layout's
+ * eight. A group's odd last block keeps its GGUF layout. */
+static void q4_0_pair_repack(uint8_t *p) {
+    uint8_t t[36];
+    const uint8_t *b0 = p, *b1 = p + 18;
+    for (int j = 0; j < 32; j++) {
+        const int lo0 = j < 16 ? b0[2 + j] & 0xF : b0[2 + j - 16] >> 4;
+        const int lo1 = j < 16 ? b1[2 + j] & 0xF : b1[2 + j - 16] >> 4;
+        t[j] = (uint8_t)(lo0 | lo1 << 4);
+    }
+    memcpy(t + 32, b0, 2);
+    memcpy(t + 34, b1, 2);
+    memcpy(p, t, 36);
+}
+
+static void q4_0_pair_unpack(const uint8_t *p, uint8_t *b) {
+    for (int h = 0; h < 2; h++) {
+        uint8_t *o = b + 18 * h;
+        memcpy(o, p + 32 + 2 * h, 2);
+        for (int j = 0; j < 16; j++)
+            o[2 + j] = (uint8_t)(((p[j] >> 4 * h) & 0xF) | ((p[16 + j] >> 4 * h) & 0xF) << 4);
+    }
+}
+
+/* Every whole block pair of n Q5_0 (Q4_0) rows of k columns, to Q5_0R (Q4_0R) in place, or back */
+static void q32_pairs(int type, uint8_t *w, int64_t n, int64_t k, int to_repacked) {
+    const size_t rb = row_bytes(type, k), bs = (size_t)q32_block_bytes(type);
     for (int64_t i = 0; i < n; i++)
         for (int64_t s = 0; s < n_groups(k); s++) {
             const int nb = (int)(group_len(k, s) / 32);
             for (int c = 0; c + 1 < nb; c += 2) {
-                uint8_t *p = w + (size_t)i * rb + (size_t)s * 176 + 22 * (size_t)c;
-                if (to_repacked) q5_0_pair_repack(p);
-                else {
-                    uint8_t b[44];
-                    q5_0_pair_unpack(p, b);
-                    memcpy(p, b, 44);
+                uint8_t *p = w + (size_t)i * rb + (size_t)s * 8 * bs + bs * (size_t)c;
+                uint8_t b[44];
+                if (to_repacked) {
+                    if (type == T_Q4_0) q4_0_pair_repack(p);
+                    else q5_0_pair_repack(p);
+                } else {
+                    if (type == T_Q4_0) q4_0_pair_unpack(p, b);
+                    else q5_0_pair_unpack(p, b);
+                    memcpy(p, b, 2 * bs);
                 }
             }
         }
@@ -313,10 +349,19 @@ static inline void unpack_q5_0(const uint8_t *b, int8_t *w, float *d) {
     }
 }
 
+static inline void unpack_q4_0(const uint8_t *b, int8_t *w, float *d) {
+    const uint8_t *qs = b + 2;
+    *d = f16_to_f32(b);
+    for (int e = 0; e < 16; e++) {
+        w[e] = (int8_t)((qs[e] & 0x0F) - 8);
+        w[e + 16] = (int8_t)((qs[e] >> 4) - 8);
+    }
+}
+
 /* Lane sums of activation rows for the few-row 32-block kernels (rows_q32_512, rows_q5r_avx2): corr[i * k/4 + l] = -off * (a[4l] + ... + a[4l+3]),
- * off the bias of the type's unsigned weight codes (Q5_0's q is already q - 16 + 16; Q8_0's w + 128). */
+ * off the bias of the type's unsigned weight codes (Q5_0's q is already q - 16 + 16, Q4_0's q - 8 + 8; Q8_0's w + 128). */
 static void q32_corrections(int type, const int8_t *q, int64_t k, int64_t n, int32_t *corr) {
-    const int32_t off = type == T_Q8_0 ? 128 : 16;
+    const int32_t off = type == T_Q8_0 ? 128 : type == T_Q4_0 || type == T_Q4_0R ? 8 : 16;
     for (int64_t i = 0; i < n; i++)
         for (int64_t l = 0; l < k / 4; l++) {
             const int8_t *a = q + i * k + 4 * l;
@@ -344,19 +389,27 @@ static inline __m256i q5_0_codes_avx2(const uint8_t *b) {
 /* The same block as 32 int8 weights */
 static inline __m256i q5_0_avx2(const uint8_t *b) { return _mm256_sub_epi8(q5_0_codes_avx2(b), _mm256_set1_epi8(16)); }
 
+/* A Q4_0 block as 32 int8 weights (its nibbles less 8) */
+static inline __m256i q4_0_avx2(const uint8_t *b) {
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 2));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+    return _mm256_sub_epi8(nib, _mm256_set1_epi8(8));
+}
+
 /* Q8_0 / Q5_0 against activation rows [0, n) for one group: eight float lanes per output
  * (acc + 8*i), each block's exact integer dot scaled and added lane-wise in block order, so
  * a row's result depends on nothing but its own operands (batch- and thread-invariant). */
 static void block_q32_avx2(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q,
                            const float *d, float *acc) {
     const int64_t nsb = n_groups(k);
-    const int nb = (int)(group_len(k, s) / 32), bs = type == T_Q8_0 ? 34 : 22;
+    const int nb = (int)(group_len(k, s) / 32), bs = q32_block_bytes(type);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i w[8], aw[8];
     float dw[8];
     for (int c = 0; c < nb; c++) { /* unpack the group once, reuse it for every row */
         const uint8_t *blk = b + bs * c;
-        w[c] = type == T_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : q5_0_avx2(blk);
+        w[c] = type == T_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : type == T_Q4_0 ? q4_0_avx2(blk) : q5_0_avx2(blk);
         aw[c] = _mm256_sign_epi8(w[c], w[c]);
         dw[c] = f16_to_f32(blk);
     }
@@ -733,6 +786,14 @@ static inline __m512i q5_0_codes_512(const uint8_t *b0, const uint8_t *b1) {
     return _mm512_or_si512(nib, _mm512_maskz_mov_epi8((__mmask64)h0 | ((__mmask64)h1 << 32), _mm512_set1_epi8(0x10)));
 }
 
+/* Two Q4_0 blocks as 64 unsigned codes (0..15; the value is q - 8), as q5_0_codes_512 without a fifth bit */
+static inline __m512i q4_0_codes_512(const uint8_t *b0, const uint8_t *b1) {
+    const __m512i qs = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 2)))),
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b1 + 2))), 1);
+    return _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, qs, _mm512_srli_epi16(qs, 4)), _mm512_set1_epi8(0x0F));
+}
+
 /* Two Q8_0 blocks' 64 int8 weights, and two 32-blocks' scales (block b0 in the low eight lanes) */
 static inline __m512i q8_0_pair_512(const uint8_t *b0, const uint8_t *b1) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
@@ -754,22 +815,34 @@ static inline __m512i q5_0r_codes_512(const uint8_t *p) {
     return _mm512_mask_add_epi8(nib, (__mmask64)h, nib, _mm512_set1_epi8(0x10));
 }
 
-/* Codes (unsigned, 0..31) and scales of the 32-blocks b0 and b1 of either Q5_0 layout (b1 == b0: a
- * group's odd last block, which keeps the GGUF layout) */
-static inline __m512i q5_codes_any(int type, const uint8_t *b0, const uint8_t *b1) {
+/* q4_0_codes_512 of a repacked pair (Q4_0R, see q4_0_pair_repack): the same 64 codes */
+static inline __m512i q4_0r_codes_512(const uint8_t *p) {
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(0x0F));
+}
+
+/* The unsigned codes of the 32-blocks b0 and b1 of any 32-block type (b1 == b0: a group's odd last
+ * block, which keeps the GGUF layout in the repacked types) */
+static inline __m512i q32_codes_512(int type, const uint8_t *b0, const uint8_t *b1) {
+    if (type == T_Q8_0) return _mm512_xor_si512(q8_0_pair_512(b0, b1), _mm512_set1_epi8((char)0x80));
+    if (type == T_Q4_0R && b1 != b0) return q4_0r_codes_512(b0);
+    if (type == T_Q4_0 || type == T_Q4_0R) return q4_0_codes_512(b0, b1);
     return type == T_Q5_0R && b1 != b0 ? q5_0r_codes_512(b0) : q5_0_codes_512(b0, b1);
 }
-/* a repacked pair's two adjacent f16 scales, each widened into eight lanes (exactly, as scale_pair_512) */
-static inline __m512 q5_0r_scales_512(const uint8_t *p) {
+/* a repacked pair's two adjacent f16 scales (at p), each widened into eight lanes (exactly, as scale_pair_512) */
+static inline __m512 repacked_scales_512(const uint8_t *p) {
     uint32_t d;
-    memcpy(&d, p + 40, 4);
+    memcpy(&d, p, 4);
     const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                             2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     return _mm512_cvtph_ps(_mm256_shuffle_epi8(_mm256_set1_epi32((int)d), spread));
 }
 /* the scales of the 32-blocks b0 and b1 of any 32-block type (a repacked Q5_0 pair keeps them side by side) */
 static inline __m512 pair_scales_512(int type, const uint8_t *b0, const uint8_t *b1) {
-    return type == T_Q5_0R && b1 != b0 ? q5_0r_scales_512(b0) : scale_pair_512(b0, b1);
+    if (b1 != b0 && type == T_Q5_0R) return repacked_scales_512(b0 + 40);
+    if (b1 != b0 && type == T_Q4_0R) return repacked_scales_512(b0 + 32);
+    return scale_pair_512(b0, b1);
 }
 
 /* R whole Q8_0 / Q5_0 weight rows (rb bytes apart) against N <= 4 activation rows, two blocks per
@@ -787,7 +860,7 @@ static inline __attribute__((always_inline)) void rows_q32_512(
         int type, const uint8_t *b, size_t rb, int64_t k, const int R, const int N, const int8_t *q,
         const float *d, const int32_t *corr, float *out, int64_t stride) {
     const int64_t nsb = n_groups(k);
-    const int bs = type == T_Q8_0 ? 34 : 22;
+    const int bs = q32_block_bytes(type);
     __m256 acc[8];
     for (int o = 0; o < R * N; o++) acc[o] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
@@ -808,8 +881,7 @@ static inline __attribute__((always_inline)) void rows_q32_512(
             for (int r = 0; r < R; r++) {
                 const uint8_t *b0 = b + r * rb + (size_t)s * (8 * bs) + bs * 2 * c;
                 const uint8_t *b1 = 2 * c + 1 < nb ? b0 + bs : b0;
-                const __m512i u = type == T_Q8_0 ? _mm512_xor_si512(q8_0_pair_512(b0, b1), _mm512_set1_epi8((char)0x80))
-                                                 : q5_codes_any(type, b0, b1);
+                const __m512i u = q32_codes_512(type, b0, b1);
                 const __m512 dw = pair_scales_512(type, b0, b1);
                 for (int i = 0; i < N; i++) {
                     const __m512i p = _mm512_dpbusd_epi32(ci[i], u, a[i]);
@@ -896,7 +968,7 @@ static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n
                 a[l] = fmaf(dx * dw, (float)v, a[l]);
             }
         }
-    } else { /* Q8_0 / Q5_0: the SIMD paths' eight lanes (four adjacent products each) and their two
+    } else { /* Q8_0 / Q5_0 / Q4_0: the SIMD paths' eight lanes (four adjacent products each) and their two
               * chains of fused adds, even blocks and odd ones, joined per group: the same bits */
         const int nb = (int)(group_len(k, s) / 32);
         int8_t wq[8][32];
@@ -905,7 +977,8 @@ static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n
             if (type == T_Q8_0) {
                 memcpy(wq[c], b + 34 * c + 2, 32);
                 dw[c] = f16_to_f32(b + 34 * c);
-            } else unpack_q5_0(b + 22 * c, wq[c], &dw[c]);
+            } else if (type == T_Q4_0) unpack_q4_0(b + 18 * c, wq[c], &dw[c]);
+            else unpack_q5_0(b + 22 * c, wq[c], &dw[c]);
         }
         for (int64_t i = 0; i < n; i++) {
             const int8_t *a = q + i * k + s * QK;
@@ -1081,16 +1154,18 @@ static void dequant_block(int type, const uint8_t *b, float *w, int64_t gl) {
             float dw = f16_to_f32(blk);
             for (int e = 0; e < 32; e++) w[32 * c + e] = dw * (float)((const int8_t *)(blk + 2))[e];
         }
-    } else if (type == T_Q5_0R) { /* back to GGUF blocks first: a group is one row of gl columns */
+    } else if (type == T_Q5_0R || type == T_Q4_0R) { /* back to GGUF blocks first: a group is one row of gl columns */
+        const int plain = type == T_Q5_0R ? T_Q5_0 : T_Q4_0;
         uint8_t g[176];
-        memcpy(g, b, (size_t)(gl / 32) * 22);
-        q5_0_pairs(g, 1, gl, 0);
-        dequant_block(T_Q5_0, g, w, gl);
-    } else if (type == T_Q5_0) {
+        memcpy(g, b, (size_t)(gl / 32) * q32_block_bytes(type));
+        q32_pairs(plain, g, 1, gl, 0);
+        dequant_block(plain, g, w, gl);
+    } else if (type == T_Q5_0 || type == T_Q4_0) {
         for (int c = 0; c < gl / 32; c++) {
             int8_t wq[32];
             float dw;
-            unpack_q5_0(b + 22 * c, wq, &dw);
+            if (type == T_Q4_0) unpack_q4_0(b + 18 * c, wq, &dw);
+            else unpack_q5_0(b + 22 * c, wq, &dw);
             for (int e = 0; e < 32; e++) w[32 * c + e] = dw * (float)wq[e];
         }
     } else {
@@ -1148,7 +1223,7 @@ static void *run_job(void *arg) {
     const int64_t nsb = n_groups(jb->k), n = jb->n > 0 ? jb->n : 1;
 #ifdef LEVER_AVX2
     if (jb->corr) {
-        /* the few-row 32-block kernel (AVX-512: Q8_0 / Q5_0 / Q5_0R; AVX2: Q5_0R), more than four rows
+        /* the few-row 32-block kernel (AVX-512: Q8_0 / Q5_0 / Q5_0R / Q4_0; AVX2: Q5_0R), more than four rows
          * four at a time over cached slices (the grouped loop below took 2.1x as long for five rows
          * as for four, 3x for eight) */
         const int64_t k4 = jb->k / 4;
@@ -1183,7 +1258,7 @@ static void *run_job(void *arg) {
         return NULL;
     }
 #endif
-    const int64_t lanes = !jb->x && is_kquant(jb->type) ? KLANES : !jb->x && (jb->type == T_Q8_0 || jb->type == T_Q5_0 || jb->type == T_Q5_0R) ? 8 : 1;
+    const int64_t lanes = !jb->x && is_kquant(jb->type) ? KLANES : !jb->x && is_q32(jb->type) ? 8 : 1;
     float *acc = malloc(sizeof(float) * (size_t)(n * ROW_GROUP * lanes));
     float *wf = jb->x ? malloc(sizeof(float) * QK) : NULL;
     if (!acc || (jb->x && !wf)) { jb->failed = 1; free(acc); free(wf); return NULL; }
@@ -1212,7 +1287,7 @@ static void *run_job(void *arg) {
                 else if (jb->type == T_Q4_K) block_q4k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bs16, ar);
                 else if (jb->type == T_Q6_K) block_q6k_512(b, s, jb->k, jb->n, jb->q, jb->d, jb->bs16, ar);
 #endif
-#if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* AVX-512: Q8_0 and Q5_0 went to rows_q32_512 above */
+#if defined(LEVER_AVX2) && !defined(LEVER_AVX512) /* AVX-512: the 32-block types went to rows_q32_512 above */
                 else if (lanes == 8) block_q32_avx2(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, ar);
 #endif
                 else block_q8(jb->type, b, s, jb->k, jb->n, jb->q, jb->d, jb->bsums, ar);
@@ -1377,6 +1452,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 #ifndef LEVER_AVX2
     if (type == T_Q5_0R) { PyErr_SetString(PyExc_ValueError, "repacked Q5_0 needs the AVX2 or AVX-512 kernels"); goto done; }
 #endif
+#ifndef LEVER_AVX512
+    if (type == T_Q4_0R) { PyErr_SetString(PyExc_ValueError, "repacked Q4_0 needs the AVX-512 kernels"); goto done; }
+#endif
     if (k % (is_kquant(type) ? QK : 32)) {
         PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, is_kquant(type) ? QK : 32);
         goto done;
@@ -1401,7 +1479,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     }
 #endif
 #ifdef LEVER_AVX512
-    if (!have_x && (type == T_Q8_0 || type == T_Q5_0 || type == T_Q5_0R) && n > 0) {
+    if (!have_x && is_q32(type) && n > 0) {
 #elif defined(LEVER_AVX2)
     if (!have_x && type == T_Q5_0R && n > 0) { /* AVX2: Q8_0's codes would overflow maddubs unsigned */
 #else
@@ -1875,16 +1953,85 @@ done:
     return ret;
 }
 
-/* repack_q5_0(w, n, k, to_repacked): n Q5_0 rows of k columns to Q5_0R in place (or back) */
-static PyObject *py_repack_q5_0(PyObject *self, PyObject *args) {
+/* f32 to f16, rounding to nearest even (as numpy's astype(float16) and F16C do) */
+static uint16_t f32_to_f16(float f) {
+#ifdef __F16C__
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#endif
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+    if (ax >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 : 0)); /* inf, nan */
+    if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00);                                 /* overflows */
+    if (ax < 0x38800000) { /* a subnormal half (or zero): round the value times 2^24 to an integer */
+        float a;
+        memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint16_t)nearbyintf(a * 16777216.0f));
+    }
+    const uint32_t m = ax + 0xc8000fff + ((ax >> 13) & 1); /* rebias the exponent, round to even */
+    return (uint16_t)(sign | (m >> 13));
+}
+
+/* requantize_q4_0(type, w, n, k, out): n rows of any weight type to Q4_0, by gguf's reference: each
+ * block's weights dequantized as GGUF does, d = (the weight largest in magnitude) / -8, codes
+ * trunc(w / d + 8.5) up to 15. For the draft only (its proposals, never the output, depend on it). */
+static PyObject *py_requantize_q4_0(PyObject *self, PyObject *args) {
+    int type;
+    Py_buffer w, out;
+    Py_ssize_t n, k;
+    if (!PyArg_ParseTuple(args, "iy*nnw*", &type, &w, &n, &k, &out)) return NULL;
+    PyObject *ret = NULL;
+    if (type < T_Q4_K || type > T_LAST) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
+    if (k % (is_kquant(type) ? QK : 32)) {
+        PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, is_kquant(type) ? QK : 32);
+        goto done;
+    }
+    if (!need(&w, n * (Py_ssize_t)row_bytes(type, k), "weights") || !need(&out, n * (Py_ssize_t)row_bytes(T_Q4_0, k), "out"))
+        goto done;
+    const size_t rb = row_bytes(type, k);
+    float x[QK];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *row = (const uint8_t *)w.buf + (size_t)i * rb;
+        uint8_t *o = (uint8_t *)out.buf + (size_t)i * row_bytes(T_Q4_0, k);
+        for (int64_t s = 0; s < n_groups(k); s++) {
+            const int64_t gl = group_len(k, s);
+            dequant_block(type, row + (size_t)s * group_bytes(type), x, gl);
+            for (int64_t c = 0; c < gl / 32; c++) {
+                const float *v = x + 32 * c;
+                uint8_t *blk = o + (size_t)(s * (QK / 32) + c) * 18;
+                float amax = fabsf(v[0]), max = v[0]; /* the first of the largest, as gguf's argmax (a -0 too) */
+                for (int e = 1; e < 32; e++)
+                    if (fabsf(v[e]) > amax) { amax = fabsf(v[e]); max = v[e]; }
+                const float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+                const uint16_t h = f32_to_f16(d);
+                memcpy(blk, &h, 2);
+                for (int e = 0; e < 16; e++) {
+                    const float q0 = truncf(v[e] * id + 8.5f), q1 = truncf(v[e + 16] * id + 8.5f);
+                    const int c0 = q0 > 15.0f ? 15 : (int)q0, c1 = q1 > 15.0f ? 15 : (int)q1;
+                    blk[2 + e] = (uint8_t)(c0 | (c1 << 4));
+                }
+            }
+        }
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+/* repack_pairs(type, w, n, k, to_repacked): n Q5_0 (Q4_0) rows of k columns to Q5_0R (Q4_0R) in place, or back */
+static PyObject *py_repack_pairs(PyObject *self, PyObject *args) {
     Py_buffer w;
     Py_ssize_t n, k;
-    int to_repacked;
-    if (!PyArg_ParseTuple(args, "w*nnp", &w, &n, &k, &to_repacked)) return NULL;
+    int type, to_repacked;
+    if (!PyArg_ParseTuple(args, "iw*nnp", &type, &w, &n, &k, &to_repacked)) return NULL;
     PyObject *ret = NULL;
+    if (type != T_Q5_0 && type != T_Q4_0) { PyErr_Format(PyExc_ValueError, "only Q5_0 and Q4_0 rows are repacked, not type %d", type); goto done; }
     if (k % 32) { PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of 32", k); goto done; }
-    if (!need(&w, n * (Py_ssize_t)row_bytes(T_Q5_0, k), "rows")) goto done;
-    q5_0_pairs(w.buf, n, k, to_repacked);
+    if (!need(&w, n * (Py_ssize_t)row_bytes(type, k), "rows")) goto done;
+    q32_pairs(type, w.buf, n, k, to_repacked);
     ret = Py_None;
     Py_INCREF(ret);
 done:
@@ -1912,7 +2059,8 @@ static PyMethodDef methods[] = {
     {"rope", py_rope, METH_VARARGS, "rotary embedding of each head's pairs"},
     {"dequantize", py_dequantize, METH_VARARGS, "GGUF rows to float32"},
     {"simd", py_simd, METH_NOARGS, "which code path was compiled"},
-    {"repack_q5_0", py_repack_q5_0, METH_VARARGS, "Q5_0 rows to the AVX-512 kernels' pair layout in place, or back"},
+    {"requantize_q4_0", py_requantize_q4_0, METH_VARARGS, "rows of any weight type to Q4_0 (gguf's reference quantizer)"},
+    {"repack_pairs", py_repack_pairs, METH_VARARGS, "Q5_0 / Q4_0 rows to the SIMD kernels' pair layout in place, or back"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -58,6 +58,9 @@ ABLATIONS = (
     ("no-prune", "lever computes every tree node through every layer (no early-exit pruning)"),
     ("no-vocab-trim", "lever's draft scores the whole vocabulary instead of its calibrated subset plus the "
                       "prompt's tokens (see tools/calibrate_draft_vocab.py)"),
+    ("no-draft-q4", "lever's draft computes from its GGUF weights as stored (Q5_0, Q6_K, Q8_0) instead of "
+                    "requantizing them to Q4_0 at load (40 MiB less DRAM, fewer bytes read a draft token; the "
+                    "target still decides every token)"),
     ("no-adaptive-depth", "lever drafts to its depth cap every pass instead of stopping where another level no "
                           "longer pays for its drafting time"),
     ("no-ngram", "lever offers its planner no prompt-lookup branches (what followed the last occurrence of the "
@@ -100,7 +103,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g = p.add_argument_group("runtime")
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
-                        "optionally +no-overlap / +no-auto-schedule / +no-turns-veto / +fixed-tree / +no-prune / +no-vocab-trim / +no-adaptive-depth / +no-ngram / "
+                        "optionally +no-overlap / +no-auto-schedule / +no-turns-veto / +fixed-tree / +no-prune / +no-vocab-trim / +no-draft-q4 / +no-adaptive-depth / +no-ngram / "
                         "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline / +no-coupled (default "
                         "resident-ar; with --socket, "
                         "the daemon's mode)")

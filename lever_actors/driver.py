@@ -272,6 +272,7 @@ class Pipeline:
         self.pruner = None
         self.steer_send = None  # to the drafter: the commit cut (set when the drafter reads steers)
         self.vocab_note = "no draft"
+        self.draft_weights_note = "no draft"
         self.verdicts: list | None = None  # calibration: (session, step, parents, accepted nodes) per pass
 
     def describe(self) -> dict:
@@ -279,6 +280,7 @@ class Pipeline:
                 "streamed_layers": list(self.plan.streamed), "head_streamed": self.plan.head_streamed,
                 "stream_slots": self.plan.n_slots, "budget": self.plan.describe(),
                 "direct_io": self.prefetcher.direct, "prune": self.prune_note, "draft_vocab": self.vocab_note,
+                "draft_weights": self.draft_weights_note,
                 "budget_source": getattr(self.cfg, "budget_source", ""),
                 "threads": {"verify": self.target.lane.threads,
                             "draft": self.drafter.threads if self.drafter is not None else 0}}

@@ -96,7 +96,7 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # commits, the drafts ahead cut at a node's marginal cost to a pass bound by its reads (not its whole
 # compute), and no level drafted ahead that would outlast the pass; and any sampled mode sampling by
 # speculative rejection, not coupled by Gumbel noise by position
-MODE_FLAGS = ("no-overlap", "no-auto-schedule", "no-turns-veto", "fixed-tree", "no-prune", "no-vocab-trim", "no-adaptive-depth", "no-ngram",
+MODE_FLAGS = ("no-overlap", "no-auto-schedule", "no-turns-veto", "fixed-tree", "no-prune", "no-vocab-trim", "no-draft-q4", "no-adaptive-depth", "no-ngram",
               "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
               "no-core-lend", "no-calibrated-ahead", "marginal-depth", "level-deadline", "no-coupled")
 
@@ -156,6 +156,7 @@ class EngineConfig:
     auto_threads: bool = False  # neither was given: a lane that runs alone takes every core (runtime.lane_threads)
     buckets: tuple[int, ...] = ()  # static token shapes of verification passes (() = exact sizes, the CPU default)
     vocab_trim: bool = True  # the draft's head scores its calibrated vocabulary subset (+ the prompt's tokens)
+    draft_q4: bool = True  # lever: the draft's Q5_0 / Q6_K / Q8_0 matrices requantized to Q4_0 at load
     adaptive_depth: bool = True  # lever: the gain/cost rule also decides how deep to draft
     ngram: bool = True  # lever: prompt-lookup branches offered to the planner beside the draft's tree
     core_borrow: bool = True  # lever: a draft the verification lane waits for also uses that lane's threads
@@ -183,6 +184,7 @@ class EngineConfig:
                        turns_veto=self.turns_veto and "no-turns-veto" not in flags,
                        fixed_tree=self.fixed_tree or "fixed-tree" in flags, prune=self.prune and "no-prune" not in flags,
                        vocab_trim=self.vocab_trim and "no-vocab-trim" not in flags,
+                       draft_q4=self.draft_q4 and "no-draft-q4" not in flags,
                        adaptive_depth=self.adaptive_depth and "no-adaptive-depth" not in flags,
                        ngram=self.ngram and "no-ngram" not in flags,
                        multi_outcome=self.multi_outcome and "no-multi-outcome" not in flags,
@@ -225,7 +227,7 @@ class EngineConfig:
             prune_layer=getattr(args, "prune_layer", None), prune_threshold=getattr(args, "prune_threshold", None),
             buckets=_buckets(getattr(args, "buckets", None)), draft_threads=draft_threads or 1,
             auto_threads=threads is None and draft_threads is None,
-            vocab_trim=not getattr(args, "no_vocab_trim", False),
+            vocab_trim=not getattr(args, "no_vocab_trim", False), draft_q4=not getattr(args, "no_draft_q4", False),
             adaptive_depth=not getattr(args, "no_adaptive_depth", False), ngram=not getattr(args, "no_ngram", False),
             core_borrow=not getattr(args, "no_core_borrow", False), core_lend=not getattr(args, "no_core_lend", False),
             multi_outcome=not getattr(args, "no_multi_outcome", False),
@@ -252,6 +254,8 @@ class EngineConfig:
             text += "+no-prune"
         if self.mode == "lever" and not self.vocab_trim:
             text += "+no-vocab-trim"
+        if self.mode == "lever" and not self.draft_q4:
+            text += "+no-draft-q4"
         if self.mode == "lever" and not self.adaptive_depth:
             text += "+no-adaptive-depth"
         if self.mode == "lever" and not self.ngram:

@@ -275,13 +275,17 @@ class NativeLayer:
     every token's result independent of the other tokens of its pass.
     """
 
-    def __init__(self, region: Region, buf, eps: float, resident: bool = False) -> None:
+    def __init__(self, region: Region, buf, eps: float, resident: bool = False, requantize: bool = False) -> None:
         v = region.views(buf)
         self.mats = {m: kernels.NativeMatrix(spec["qtype"], spec["k"], spec["n"], v[f"{m}.data"])
                      for m, spec in region.mats.items()}
+        self.vec = {name: v[name] for name in ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias")}
+        if requantize:  # the draft's weights to Q4_0, in arrays of their own: nothing keeps ``buf`` alive
+            self.mats = {m: kernels.requantized_q4_0(w) if w.qtype in kernels.REQUANTIZABLE else
+                         kernels.NativeMatrix(w.qtype, w.k, w.n, w.data.copy()) for m, w in self.mats.items()}
+            self.vec = {name: a.copy() for name, a in self.vec.items()}
         if resident:  # a resident buffer is only ever read by this layer: its blocks may be rearranged
             self.mats = {m: kernels.repacked_for_cpu(w) for m, w in self.mats.items()}
-        self.vec = {name: v[name] for name in ("attn_norm", "ffn_norm", "attn_q.bias", "attn_k.bias", "attn_v.bias")}
         self.eps = eps
 
     def forward(self, x: np.ndarray, feeds: dict, cache_k, cache_v, dims: dict, lane: LaneConfig) -> np.ndarray:
@@ -322,6 +326,13 @@ class NativeHead:
         return kernels.matmul(self.w, kernels.quantize_rows(hn) if lane.precision == "int8" else hn, lane.threads)
 
 
+def requantized_bytes(region: Region) -> int:
+    """A native layer region's bytes once its requantizable matrices are Q4_0 (``NativeLayer(requantize=True)``)."""
+    saved = sum(spec["n"] * (kernels.row_bytes(spec["qtype"], spec["k"]) - kernels.row_bytes("Q4_0", spec["k"]))
+                for spec in region.mats.values() if spec["qtype"] in kernels.REQUANTIZABLE)
+    return region.nbytes - saved
+
+
 class Transformer:
     """Embedding + layer sessions + head for one model and one KV cache.
 
@@ -329,9 +340,13 @@ class Transformer:
     caller from streamed buffers (:meth:`layer_session_from_buffer`).
     """
 
-    def __init__(self, bundle: Bundle, context: int, lane: LaneConfig, resident_layers=None, load_head: bool = True) -> None:
+    def __init__(self, bundle: Bundle, context: int, lane: LaneConfig, resident_layers=None, load_head: bool = True,
+                 requantize: bool = False) -> None:
+        """``requantize``: resident native layers' Q5_0 / Q6_K / Q8_0 matrices become Q4_0 (a draft only:
+        the target's arithmetic must stay the GGUF's)."""
         d = bundle.dims
         self.bundle, self.context, self.lane = bundle, context, lane
+        self.requantize = requantize and bundle.layout == "native"
         self.n_layer, self.hidden, self.head_dim = d["n_layer"], d["hidden"], d["head_dim"]
         self.n_kv_head, self.vocab = d["n_kv_head"], d["vocab_size"]
         self.rope_base = float(d["rope_base"])
@@ -357,7 +372,7 @@ class Transformer:
             except ModelError as exc:
                 raise ModelError(f"layer {i}: {exc}") from None
             self.resident[i] = self.layer_session_from_buffer(i, buf, resident=True)
-            self.resident_bytes += self.regions[i].nbytes
+            self.resident_bytes += requantized_bytes(self.regions[i]) if self.requantize else self.regions[i].nbytes
 
     def use_threads(self, n: int) -> None:
         """Kernel threads of the calls from now on: native kernels take them per call (ORT sessions
@@ -384,7 +399,7 @@ class Transformer:
         ``buf``); a ``resident`` layer owns ``buf`` for good (its weights may be rearranged in place)."""
         region = self.regions[i]
         if self.native:
-            return NativeLayer(region, buf, self.eps, resident)
+            return NativeLayer(region, buf, self.eps, resident, requantize=resident and self.requantize)
         return make_session(self.graphs.for_layer(region), region.views(buf), self.lane)
 
     def feeds(self, positions: np.ndarray, slots: np.ndarray, layout: dict) -> dict:

@@ -169,13 +169,27 @@ def with_prompt_cache(plan: BudgetPlan, cfg, target, draft) -> tuple[BudgetPlan,
     return replace(plan, items=dict(plan.items, prompt_cache=split["target"] + split["draft"])), split
 
 
-def _draft_weight_bytes(bundle, head=None) -> int:
-    """The draft's weights in DRAM: its layers and its head (the subset head's rows when it has one)."""
+def _draft_weight_bytes(bundle, head=None, requantize: bool = False) -> int:
+    """The draft's weights in DRAM: its layers (requantized to Q4_0 or as stored) and its head (the
+    subset head's rows when it has one)."""
     from lever_actors.budget import PREPACK_FACTOR
+    from lever_actors.model import requantized_bytes
 
     factor = 1.0 if bundle.layout == "native" else PREPACK_FACTOR
     head_bytes = bundle.head_bytes() if head is None else head.nbytes
-    return int((sum(bundle.layer_bytes()) + head_bytes) * factor)
+    layers = sum(requantized_bytes(r) for r in bundle.layers) if requantize else sum(bundle.layer_bytes())
+    return int((layers + head_bytes) * factor)
+
+
+def draft_requantized(cfg, bundle) -> tuple[bool, str]:
+    """(requantize the draft to Q4_0?, description): lever's, on a native-layout draft."""
+    if cfg.mode != "lever":
+        return False, "as stored (the baselines' draft; Q4_0 is lever's)"
+    if not cfg.draft_q4:
+        return False, "as stored (+no-draft-q4)"
+    if bundle.layout != "native":
+        return False, "as stored (an ORT-layout draft)"
+    return True, "Q4_0 (its Q5_0 / Q6_K / Q8_0 matrices requantized at load)"
 
 
 def draft_head(cfg, bundle, lane, too_big: bool = False):
@@ -319,16 +333,17 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
     verify_threads, draft_threads = lane_threads(cfg)
     draft_lane = LaneConfig(threads=draft_threads, providers=cfg.lane.providers, precision=cfg.lane.precision)
     subset_head, vocab_note = draft_head(cfg, db, draft_lane) if db is not None else (None, "no draft")
+    q4, q4_note = draft_requantized(cfg, db) if db is not None else (False, "no draft")
     extra = {"prune_head_rows": head_rows.cache_bytes} if head_rows is not None else None
     try:
-        plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head) if db is not None else 0, extra)
+        plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head, q4) if db is not None else 0, extra)
     except BudgetError:
         if db is None or cfg.mode == "lever":  # lever's full head is the +no-vocab-trim ablation: refused
             raise
         subset_head, vocab_note = draft_head(cfg, db, draft_lane, too_big=True)
         if subset_head is None:
             raise
-        plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head), extra)
+        plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head, q4), extra)
     plan, store_bytes = with_prompt_cache(plan, cfg, tb, db)
     lane = replace(cfg.lane, threads=verify_threads)
     target = await trio.to_thread.run_sync(
@@ -336,7 +351,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
     drafter_model = None
     if db is not None:
         drafter_model = await trio.to_thread.run_sync(
-            lambda: Transformer(db, cfg.context, draft_lane, load_head=subset_head is None))
+            lambda: Transformer(db, cfg.context, draft_lane, load_head=subset_head is None, requantize=q4))
     stages = [StreamStage(i, r.file, r.offset, r.nbytes, r.xxh3, f"layer {i}")
               for i, r in enumerate(tb.layers) if i in plan.streamed]
     if plan.head_streamed:
@@ -385,6 +400,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         pipe.predict_exit = predict_layer if pruner is not None and pruner.steer_send is not None else None
         pipe.pruner, pipe.steer_send = pruner, steer_send
         pipe.vocab_note = vocab_note
+        pipe.draft_weights_note = q4_note
         async with trio.open_nursery() as nursery:
             if pruner is not None:
                 await nursery.start(pruner.run)

@@ -22,16 +22,16 @@ import functools
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lever_actors import kernels as K
 
-BLOCK = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34), "Q5_0": (32, 22)}  # elements, bytes per block
+BLOCK = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q4_0": (32, 18)}  # elements, bytes per block
 QTYPES = list(BLOCK)
-F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q5_0": (0,)}  # byte offsets of f16 scales
-BLOCK32 = ["Q8_0", "Q5_0"]  # rows need only be a multiple of 32: the last activation group is partial
+F16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,)}  # byte offsets of f16 scales
+BLOCK32 = ["Q8_0", "Q5_0", "Q4_0"]  # rows need only be a multiple of 32: the last activation group is partial
 
 
 def bits(a) -> np.ndarray:
@@ -215,7 +215,7 @@ def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch):
     helper that only the SIMD branches define (a K-quant sum once was, and the portable build then
     called it undeclared)."""
     portable = _build_portable(tmp_path)
-    cases = [(qtype, k, rows) for qtype, k in (("Q4_K", 768), ("Q6_K", 768), ("Q8_0", 896), ("Q5_0", 896))
+    cases = [(qtype, k, rows) for qtype, k in (("Q4_K", 768), ("Q6_K", 768), ("Q8_0", 896), ("Q5_0", 896), ("Q4_0", 896))
              for rows in (1, 3, 5, 9, 13)]
     g = np.random.default_rng(3).uniform(-30, 30, 1000).astype(np.float32)
     u = np.random.default_rng(4).standard_normal(1000).astype(np.float32)
@@ -225,34 +225,62 @@ def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch):
                for qtype, k, rows in cases]
         return out + [K.swiglu(g, u)]
 
-    installed = results()
+    def requantized():  # the portable f32-to-f16 rounding too (the draft's Q4_0 scales)
+        return [K.requantized_q4_0(weight(qtype, k, 41)[0]).data for qtype, k in (("Q5_0", 896), ("Q6_K", 768))]
+
+    installed, installed_q4 = results(), requantized()
     monkeypatch.setattr(K, "_kernels", portable)  # the same wrapper over the other build
     assert K.simd() == "portable"
     for got, want in zip(results(), installed):
         assert_bitwise(got, want)
+    for got, want in zip(requantized(), installed_q4):
+        np.testing.assert_array_equal(got, want)
 
 
 SIMD = K.simd() != "portable"
 
 
 @pytest.mark.skipif(not SIMD, reason="Q5_0R is the SIMD kernels' layout; the portable build keeps Q5_0")
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_0"])
 @pytest.mark.parametrize("k", [32, 96, 224, 896, 4864 + 32])  # a lone block, odd last blocks, the draft's rows
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-def test_repacked_q5_0_gives_the_same_bits(k, rows):
-    """Resident Q5_0 weights rearranged into block pairs (Q5_0R) hold the same numbers: every product
-    equals the GGUF layout's bit for bit for one to four rows and for more (four at a time), dequantizing gives
-    the same floats, and undoing the repack restores the bytes."""
-    w, wdq = weight("Q5_0", k, 37)
-    r = K.repacked_for_cpu(K.NativeMatrix("Q5_0", k, w.n, w.data.copy()))
-    assert r.qtype == "Q5_0R"
+def test_repacked_pairs_give_the_same_bits(qtype, k, rows):
+    """Resident Q5_0 weights (and the requantized draft's Q4_0 ones, on AVX-512) rearranged into block
+    pairs (Q5_0R, Q4_0R) hold the same numbers: every product equals the GGUF layout's bit for bit for one
+    to four rows and for more (four at a time), dequantizing gives the same floats, and undoing the
+    repack restores the bytes."""
+    if qtype == "Q4_0" and K.simd() != "avx512-vnni":
+        pytest.skip("Q4_0R is the AVX-512 kernels' layout; other builds keep Q4_0")
+    w, wdq = weight(qtype, k, 37)
+    r = K.repacked_for_cpu(K.NativeMatrix(qtype, k, w.n, w.data.copy()))
+    assert r.qtype == qtype + "R"
     assert not np.array_equal(r.data, w.data) or k == 32  # a lone block has no pair to rearrange
     qa = K.quantize_rows(activations(rows, k, seed=k * rows))
     assert_bitwise(K.matmul(r, qa), K.matmul(w, qa))
     assert_bitwise(K.matmul(r, qa, threads=3), K.matmul(w, qa))
-    assert_bitwise(K.dequantize("Q5_0R", r.data, k), wdq)
+    assert_bitwise(K.dequantize(qtype + "R", r.data, k), wdq)
     back = r.data.copy()
-    K._kernels.repack_q5_0(back, w.n, k, False)
+    K._kernels.repack_pairs(K.TYPES[qtype], back, w.n, k, False)
     assert np.array_equal(back, w.data)
+
+
+@pytest.mark.parametrize("qtype,k", [("Q5_0", 896), ("Q5_0", 4864 + 32), ("Q6_K", 768), ("Q8_0", 96)])
+def test_requantized_q4_0_is_ggufs_quantizer(qtype, k):
+    """The draft's load-time requantization gives the bytes of gguf's own Q4_0 quantizer run on gguf's
+    dequantization (ties of magnitude, all-zero blocks and codes that clip at 15 included), and the
+    Q4_0 kernels compute them like every other type (checked above through BLOCK32)."""
+    w, wdq = weight(qtype, k, 23)
+    data = w.data.copy()
+    data[0, :] = 0  # an all-zero row: d = 0, every code 8
+    if qtype != "Q6_K":
+        data[1, 2:4] = data[1, 4:6]  # two equal weights in a block (the first of the largest decides)
+    w = K.NativeMatrix(qtype, k, 23, data)
+    wdq = dequantize(data, getattr(QT, qtype))
+    got = K.requantized_q4_0(w)
+    assert got.qtype == "Q4_0" and got.data.shape == (23, k // 32 * 18)
+    np.testing.assert_array_equal(got.data, quantize(wdq, QT.Q4_0).reshape(23, -1))
+    with pytest.raises(ValueError, match="saves nothing"):
+        K.requantized_q4_0(weight("Q4_K", 256, 3)[0])
 
 
 def test_repack_leaves_other_types_and_keeps_the_fp32_path():

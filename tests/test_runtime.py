@@ -144,7 +144,9 @@ def test_idle_lanes_lend_their_threads(tiny_bundles, ar_tokens, monkeypatch):
     requests = _recording(monkeypatch, DraftRequest, lever_actors.driver)
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
-    cfg = EngineConfig(mode="lever", gamma=16, context=CONTEXT, dram_budget=_min_budget(target, draft, "lever:16"),
+    # the chains' draft is the stored one, larger than lever's requantized draft: the budget fits both
+    budget = max(_min_budget(target, draft, m) for m in ("lever:16", "flash-chain:4"))
+    cfg = EngineConfig(mode="lever", gamma=16, context=CONTEXT, dram_budget=budget,
                        draft_threads=1, flash_bandwidth=20e6, auto_schedule=False)  # every pass drafts ahead
     cfg = replace(cfg, lane=replace(cfg.lane, threads=2))
     verify_threads, own = [], NpuVerifier._use_threads
@@ -291,9 +293,36 @@ def test_drafting_until_the_commit_drops_late_answers_and_changes_no_token(tiny_
     assert stats["spec_hits"] > 0
     d = pipe.drafter
     n = d.m.kv.length
-    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig())
+    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig(), requantize=d.m.requantize)  # lever's draft is Q4_0
     ref.prefill((ids + toks)[:n])
     np.testing.assert_array_equal(d.m.kv.k[:, :, :n], ref.kv.k[:, :, :n])
+
+
+def test_levers_draft_is_requantized_to_q4_0_and_the_output_is_the_target_s(tiny_bundles, ar_tokens):
+    """Lever's draft computes from its matrices requantized to Q4_0 (Q4_0R where the build repacks
+    pairs): the plan charges the smaller draft, the stats say so, and the greedy output stays the
+    target's. +no-draft-q4 and the baselines keep the draft as stored."""
+    from lever_actors.bundle import load_bundle
+    from lever_actors.model import requantized_bytes
+
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(mode="lever", gamma=8, context=CONTEXT, dram_budget=24 * 2**20)
+    weights, notes, types = {}, {}, {}
+    for mode in ("lever", "lever+no-draft-q4", "flash-chain:4"):
+        toks, stats, pipe = trio.run(generate, cfg.with_mode(mode, 8), target, draft, ids)
+        assert toks == ar_tokens
+        weights[mode] = pipe.plan.items["draft_weights"]
+        notes[mode] = pipe.describe()["draft_weights"]
+        types[mode] = {w.qtype for layer in pipe.drafter.m.resident.values() for w in layer.mats.values()}
+    assert notes["lever"].startswith("Q4_0") and "no-draft-q4" in notes["lever+no-draft-q4"]
+    assert "baselines" in notes["flash-chain:4"]
+    stored_types = {"Q5_0", "Q5_0R", "Q6_K", "Q8_0"}
+    assert types["lever"] & {"Q4_0", "Q4_0R"} and not types["lever"] & stored_types
+    assert types["lever+no-draft-q4"] & stored_types and not types["lever+no-draft-q4"] & {"Q4_0", "Q4_0R"}
+    # the same head, layers charged at Q4_0's 18 bytes a block where they had Q5_0's 22 and Q8_0's 34
+    stored, q4 = (sum(f(r) for r in load_bundle(draft).layers) for f in (lambda r: r.nbytes, requantized_bytes))
+    assert weights["lever+no-draft-q4"] - weights["lever"] == stored - q4 > 0
 
 
 def _min_budget(target, draft=None, mode: str = "flash-ar") -> int:
@@ -478,7 +507,7 @@ def test_draft_cache_holds_exactly_the_committed_sequence(tiny_bundles, unrelate
     d = pipe.drafter
     n = d.m.kv.length  # assumptions are never committed: only what a later request said was
     assert len(ids) <= n <= len(ids) + len(toks)
-    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig())
+    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig(), requantize=d.m.requantize)  # lever's draft is Q4_0
     ref.prefill((ids + toks)[:n])
     np.testing.assert_array_equal(d.m.kv.k[:, :, :n], ref.kv.k[:, :, :n])
     np.testing.assert_array_equal(d.m.kv.v[:, :, :n], ref.kv.v[:, :, :n])
@@ -662,7 +691,7 @@ def test_lever_taking_turns_is_lossless_and_verifies_on_both_lanes_cores(tiny_bu
     assert set(pipe.lever.others) == {"overlap" if pipe.lever.schedule == "turns" else "turns"}
     d = pipe.drafter
     n = d.m.kv.length
-    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig())
+    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig(), requantize=d.m.requantize)  # lever's draft is Q4_0
     ref.prefill((ids + toks)[:n])
     np.testing.assert_array_equal(d.m.kv.k[:, :, :n], ref.kv.k[:, :, :n])
 
