@@ -59,7 +59,7 @@ ABLATIONS = (
     ("no-vocab-trim", "lever's draft scores the whole vocabulary instead of its calibrated subset plus the "
                       "prompt's tokens (see tools/calibrate_draft_vocab.py)"),
     ("no-draft-q4", "lever's draft computes from its GGUF weights as stored (Q5_0, Q6_K, Q8_0) instead of "
-                    "requantizing them to Q4_0 at load (40 MiB less DRAM, fewer bytes read a draft token; the "
+                    "requantizing them to Q4_0 at load (43 MiB more DRAM for the real draft, more bytes read a draft token; the "
                     "target still decides every token)"),
     ("no-adaptive-depth", "lever drafts to its depth cap every pass instead of stopping where another level no "
                           "longer pays for its drafting time"),
