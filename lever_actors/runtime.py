@@ -189,6 +189,10 @@ def draft_requantized(cfg, bundle) -> tuple[bool, str]:
         return False, "as stored (+no-draft-q4)"
     if bundle.layout != "native":
         return False, "as stored (an ORT-layout draft)"
+    from lever_actors.kernels import simd
+
+    if simd() != "avx512-vnni":  # measured to pay with the paired layout, which only the AVX-512 kernels read
+        return False, f"as stored (Q4_0 pays with the AVX-512 kernels' paired layout; this build is {simd()})"
     return True, "Q4_0 (its Q5_0 / Q6_K / Q8_0 matrices requantized at load)"
 
 
