@@ -1415,6 +1415,19 @@ static int need(Py_buffer *b, Py_ssize_t bytes, const char *what) {
     return 1;
 }
 
+/* A weight type this module knows and a row length whole in its blocks; 0 with a ValueError set if not */
+static int known_rows(int type, Py_ssize_t k) {
+    if (type < T_Q4_K || type > T_LAST) {
+        PyErr_Format(PyExc_ValueError, "unknown weight type %d", type);
+        return 0;
+    }
+    if (k % (is_kquant(type) ? QK : 32)) {
+        PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, is_kquant(type) ? QK : 32);
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *py_quantize_rows(PyObject *self, PyObject *args) {
     Py_buffer x, q, d, bs;
     Py_ssize_t n, k;
@@ -1448,17 +1461,13 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     int have_x = xo != Py_None;
     if (have_x && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto done0;
-    if (type < T_Q4_K || type > T_LAST) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
+    if (!known_rows(type, k)) goto done;
 #ifndef LEVER_AVX2
     if (type == T_Q5_0R) { PyErr_SetString(PyExc_ValueError, "repacked Q5_0 needs the AVX2 or AVX-512 kernels"); goto done; }
 #endif
 #ifndef LEVER_AVX512
     if (type == T_Q4_0R) { PyErr_SetString(PyExc_ValueError, "repacked Q4_0 needs the AVX-512 kernels"); goto done; }
 #endif
-    if (k % (is_kquant(type) ? QK : 32)) {
-        PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, is_kquant(type) ? QK : 32);
-        goto done;
-    }
     const Py_ssize_t g = n_groups(k);
     if (type == T_F32 && !have_x) { PyErr_SetString(PyExc_TypeError, "F32 weights need fp32 activations"); goto done; }
     if (!need(&w, m * (Py_ssize_t)row_bytes(type, k), "weights") || !need(&out, ((n - 1) * stride + m) * 4, "out"))
@@ -1938,8 +1947,7 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     Py_ssize_t n, k;
     if (!PyArg_ParseTuple(args, "iy*nnw*", &type, &w, &n, &k, &out)) return NULL;
     PyObject *ret = NULL;
-    if (type < T_Q4_K || type > T_LAST) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
-    if (k % (is_kquant(type) ? QK : 32)) { PyErr_Format(PyExc_ValueError, "row length %zd does not fit the type", k); goto done; }
+    if (!known_rows(type, k)) goto done;
     if (!need(&w, n * (Py_ssize_t)row_bytes(type, k), "rows") || !need(&out, n * k * 4, "out")) goto done;
     const size_t rb = row_bytes(type, k), block = group_bytes(type);
     for (Py_ssize_t i = 0; i < n; i++)
@@ -1981,11 +1989,7 @@ static PyObject *py_requantize_q4_0(PyObject *self, PyObject *args) {
     Py_ssize_t n, k;
     if (!PyArg_ParseTuple(args, "iy*nnw*", &type, &w, &n, &k, &out)) return NULL;
     PyObject *ret = NULL;
-    if (type < T_Q4_K || type > T_LAST) { PyErr_Format(PyExc_ValueError, "unknown weight type %d", type); goto done; }
-    if (k % (is_kquant(type) ? QK : 32)) {
-        PyErr_Format(PyExc_ValueError, "row length %zd is not a multiple of %d", k, is_kquant(type) ? QK : 32);
-        goto done;
-    }
+    if (!known_rows(type, k)) goto done;
     if (!need(&w, n * (Py_ssize_t)row_bytes(type, k), "weights") || !need(&out, n * (Py_ssize_t)row_bytes(T_Q4_0, k), "out"))
         goto done;
     const size_t rb = row_bytes(type, k);
