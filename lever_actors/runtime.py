@@ -77,12 +77,13 @@ def activation_bytes(dims: dict, context: int, verify_rows: int, sampled_rows: i
     return max(FEED_CHUNK, verify_rows) * layer_floats_per_row(dims, context) * 4 + head
 
 
-def draft_activation_bytes(dims: dict, context: int) -> int:
+def draft_activation_bytes(dims: dict, context: int, columns: int | None = None) -> int:
     """The drafter's peak activations, beside the verifier's (the two lanes run at once): a chunk of
-    the prompt it digests, then a draft call's logits. Its attention scores grow with the context
-    as the target's do (at 4096 tokens, 47 MiB for the 0.5B draft; left to the headroom, they took
-    a 3000-token prompt over a 768 MiB budget)."""
-    return FEED_CHUNK * layer_floats_per_row(dims, context) * 4 + DRAFT_CALL_ROWS * dims["vocab_size"] * 4
+    the prompt it digests, then a draft call's logits over ``columns`` (a subset head's, else the
+    whole vocabulary). Its attention scores grow with the context as the target's do (at 4096
+    tokens, 47 MiB for the 0.5B draft; left to the headroom, they took a 3000-token prompt over a
+    768 MiB budget)."""
+    return FEED_CHUNK * layer_floats_per_row(dims, context) * 4 + DRAFT_CALL_ROWS * (columns or dims["vocab_size"]) * 4
 
 
 def head_slice_rows(bundle) -> int:
@@ -110,7 +111,8 @@ def kv_bytes(layout: str, precision: str) -> int:
 TRADE_CONTEXT = 1024  # the default context: plans at other lengths say what they cost against it
 
 
-def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None = None) -> BudgetPlan:
+def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None = None,
+                 draft_columns: int | None = None) -> BudgetPlan:
     """The DRAM plan of a pipeline. A budget bounds the whole process, so the runtime's own memory
     (its baseline, measured at start-up, and headroom for transients) is a line item too."""
     from lever_actors.memory import HEADROOM, runtime_baseline
@@ -124,7 +126,7 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
         items = {"runtime": runtime_baseline(), "headroom": HEADROOM, **items}
     if draft_bundle is not None:
         items["draft_weights"] = draft_bytes
-        items["draft_activations"] = draft_activation_bytes(draft_bundle.dims, cfg.context)
+        items["draft_activations"] = draft_activation_bytes(draft_bundle.dims, cfg.context, draft_columns)
         items["draft_kv"] = cfg.context * kv_row_bytes(draft_bundle, draft_bundle.layout, precision)
     budget = cfg.dram_budget if cfg.mode != "resident-ar" else None
     if target.layout != "native" and budget is not None:
@@ -136,7 +138,7 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
     if budget is not None and cfg.context != TRADE_CONTEXT:  # say what the context length costs
         base_cfg = replace(cfg, context=TRADE_CONTEXT)
         try:
-            base = build_budget(base_cfg, target, draft_bundle, draft_bytes, extra)
+            base = build_budget(base_cfg, target, draft_bundle, draft_bytes, extra, draft_columns)
         except BudgetError:
             base = None
         plan = replace(plan, trade=context_trade(plan, base, cfg.context, TRADE_CONTEXT))
@@ -193,10 +195,10 @@ def draft_requantized(cfg, bundle) -> tuple[bool, str]:
 
     if simd() != "avx512-vnni":  # measured to pay with the paired layout, which only the AVX-512 kernels read
         return False, f"as stored (Q4_0 pays with the AVX-512 kernels' paired layout; this build is {simd()})"
-    return True, "Q4_0 (its Q5_0 / Q6_K / Q8_0 matrices requantized at load)"
+    return True, "Q4_0 (its Q5_0 / Q6_K / Q8_0 layer matrices and head rows requantized at load)"
 
 
-def draft_head(cfg, bundle, lane, too_big: bool = False):
+def draft_head(cfg, bundle, lane, too_big: bool = False, requantize: bool = False):
     """(SubsetHead or None, description): the draft's calibrated vocabulary subset, when it has one.
     The baselines draft over the whole vocabulary unless ``too_big``: the full head does not fit the
     budget (a long context), where the subset (lossless: the target still decides) lets them run."""
@@ -216,7 +218,7 @@ def draft_head(cfg, bundle, lane, too_big: bool = False):
     note = ("the full head does not fit the budget: " if too_big and cfg.mode != "lever" else "") + \
         f"{len(ids)} of {bundle.dims['vocab_size']} tokens + the prompt's" + (
         f", {100 * cov:.2f}% of target-generated dev text" if cov is not None else "") + f" ({path.name})"
-    return SubsetHead(bundle, ids, lane), note
+    return SubsetHead(bundle, ids, lane, requantize=requantize), note
 
 
 def prune_setting(cfg, bundle, exits: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], float | None, str]:
@@ -336,18 +338,20 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         head_rows = HeadRows(tb, **({} if exits else {"cache_rows": PREDICT_HEAD_ROWS}))
     verify_threads, draft_threads = lane_threads(cfg)
     draft_lane = LaneConfig(threads=draft_threads, providers=cfg.lane.providers, precision=cfg.lane.precision)
-    subset_head, vocab_note = draft_head(cfg, db, draft_lane) if db is not None else (None, "no draft")
     q4, q4_note = draft_requantized(cfg, db) if db is not None else (False, "no draft")
+    subset_head, vocab_note = draft_head(cfg, db, draft_lane, requantize=q4) if db is not None else (None, "no draft")
     extra = {"prune_head_rows": head_rows.cache_bytes} if head_rows is not None else None
     try:
-        plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head, q4) if db is not None else 0, extra)
+        plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head, q4) if db is not None else 0, extra,
+                            draft_columns=subset_head.columns if subset_head is not None else None)
     except BudgetError:
         if db is None or cfg.mode == "lever":  # lever's full head is the +no-vocab-trim ablation: refused
             raise
-        subset_head, vocab_note = draft_head(cfg, db, draft_lane, too_big=True)
+        subset_head, vocab_note = draft_head(cfg, db, draft_lane, too_big=True, requantize=q4)
         if subset_head is None:
             raise
-        plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head, q4), extra)
+        plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head, q4), extra,
+                            draft_columns=subset_head.columns)
     plan, store_bytes = with_prompt_cache(plan, cfg, tb, db)
     lane = replace(cfg.lane, threads=verify_threads)
     target = await trio.to_thread.run_sync(

@@ -56,6 +56,31 @@ def test_subset_logits_equal_the_full_heads_bit_for_bit(trimmed_draft):
     assert head.nbytes <= b.head_bytes()  # the subset and the largest prompt extra: at most the whole head
 
 
+def test_a_requantized_subset_head_scores_its_rows_as_q4_0(trimmed_draft):
+    """Lever's Q4_0 draft: the subset's rows and the prompt's extra rows are requantized (and repacked
+    where the build reads Q4_0 in pairs), giving the same bits as the Q4_0 rows of the stored head,
+    in the DRAM its plan charges."""
+    from lever_actors import kernels
+
+    b = load_bundle(trimmed_draft)
+    ids, _, _ = subset_for(b)
+    stored, q4 = SubsetHead(b, ids, LaneConfig()), SubsetHead(b, ids, LaneConfig(), requantize=True)
+    assert stored.base.qtype == "Q8_0" and q4.base.qtype in ("Q4_0", "Q4_0R")
+    h = np.random.default_rng(1).normal(0, 1, (3, b.dims["hidden"])).astype(np.float32)
+    for prompt in ([0, 2], [1, 3, 3, 4]):  # no extra rows, then two
+        stored.set_prompt(prompt)
+        q4.set_prompt(prompt)
+        assert list(q4.ids) == list(stored.ids)
+        ref = SubsetHead.__new__(SubsetHead)  # the stored rows, requantized but never repacked
+        ref.__dict__.update(stored.__dict__, base=kernels.requantized_q4_0(stored.base),
+                            extra=stored.extra and kernels.requantized_q4_0(stored.extra))
+        np.testing.assert_array_equal(q4.logits(h), ref.logits(h))
+        assert not np.array_equal(q4.logits(h), stored.logits(h))  # the rows did change
+    q4_rows = len(ids) + min(4096, b.dims["vocab_size"] - len(ids))
+    assert q4.columns == stored.columns == q4_rows
+    assert q4.nbytes == q4_rows * kernels.row_bytes("Q4_0", b.dims["hidden"]) + q4.norm.nbytes < stored.nbytes
+
+
 async def _generate(cfg, target, draft, ids, params):
     from lever_actors.runtime import open_pipeline
 
@@ -95,6 +120,44 @@ def test_a_baseline_whose_full_head_does_not_fit_drafts_over_the_subset(tiny_bun
     assert isinstance(drafter.head, SubsetHead) and plan["draft_vocab"].startswith("the full head does not fit")
     roomy = EngineConfig(mode="flash-chain", gamma=3, context=CONTEXT, dram_budget=full.value.minimum + 2**20)
     assert trio.run(_generate, roomy, target, trimmed_draft, ids, SamplingParams())[3].head.ids is None
+
+
+def test_levers_q4_0_draft_takes_its_subset_head_along_and_its_plan_charges_it(tiny_bundles, trimmed_draft):
+    """With a subset head, lever's Q4_0 draft (AVX-512 builds) requantizes the head's rows as well as
+    its layers; the plan charges both at Q4_0, and the drafter's logits over the head's columns,
+    not the whole vocabulary. The output stays the target's."""
+    from lever_actors import kernels
+    from lever_actors.model import requantized_bytes
+    from lever_actors.runtime import DRAFT_CALL_ROWS, draft_activation_bytes, open_pipeline
+
+    target = tiny_bundles[0]
+    ids = load_tokenizer(target).encode(PROMPT)
+    ref = trio.run(_generate, EngineConfig(mode="resident-ar", context=CONTEXT), target, None, ids, SamplingParams())[0]
+    b = load_bundle(trimmed_draft)
+
+    async def run(mode):
+        cfg = EngineConfig(context=CONTEXT, dram_budget=24 * 2**20).with_mode(mode)
+        async with open_pipeline(cfg, target, trimmed_draft, set(load_tokenizer(target).eos_ids)) as pipe:
+            async def emit(_):
+                return False
+            toks, _, _ = await pipe.generate(ids, 40, SamplingParams(), emit)
+            return toks, dict(pipe.plan.items), pipe.drafter.head
+
+    # a draft call's logits span the head's columns (the tiny subset and its extras cover the whole vocabulary)
+    full = draft_activation_bytes(b.dims, CONTEXT)
+    assert full - draft_activation_bytes(b.dims, CONTEXT, 10) == DRAFT_CALL_ROWS * (b.dims["vocab_size"] - 10) * 4
+    got = {mode: trio.run(run, mode) for mode in ("lever", "lever+no-draft-q4")}
+    for toks, items, head in got.values():
+        assert toks == ref
+        assert items["draft_activations"] == draft_activation_bytes(b.dims, CONTEXT, head.columns)
+    (_, q4_items, q4_head), (_, items, head) = got["lever"], got["lever+no-draft-q4"]
+    assert head.base.qtype == "Q8_0"
+    if kernels.simd() != "avx512-vnni":
+        assert q4_head.base.qtype == "Q8_0" and q4_items["draft_weights"] == items["draft_weights"]
+        return
+    assert q4_head.base.qtype == "Q4_0R"
+    layers = sum(r.nbytes - requantized_bytes(r) for r in b.layers)
+    assert items["draft_weights"] - q4_items["draft_weights"] == layers + head.nbytes - q4_head.nbytes > layers
 
 
 @pytest.mark.parametrize("mode", ["lever:12", "lever:5+no-adaptive-depth", "lever:8+fixed-tree", "lever:8+no-core-borrow"])
