@@ -30,7 +30,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-cache", default=None, metavar="SIZE",
                    help="DRAM kept for copies of earlier sequences' KV rows, so a prompt that continues any "
                         "recent conversation (not only the last one) skips its shared prefix: a size, 0 (off) "
-                        "or auto (default: what the DRAM budget leaves over; 256MiB without a budget)")
+                        "or auto (default: what the DRAM budget leaves over; 256MiB without a budget). A size "
+                        "given is planned before the pinned target layers, which make room for it (20MiB holds about "
+                        "500 positions of both models' rows)")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="threads of the verification lane's kernels (default: every core when it runs alone, "
                         "i.e. without a draft or without drafting ahead; else 1, the draft using another, and "

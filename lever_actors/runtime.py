@@ -133,13 +133,22 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
         raise ConfigError(
             f"{target.path} has the {target.layout!r} layout, which cannot stream from flash; "
             "use --mode resident-ar or convert the GGUF with --layout native")
-    plan = plan_budget(budget, items, target.layer_bytes(), [r.nbytes for r in target.head_chunks],
-                       in_place=target.layout == "native")
+    if cfg.prompt_cache and budget is not None:
+        # a size asked for is planned before the pinned layers, which make room for it (by default the
+        # cache takes what they leave: at 768 MiB lever's 7 MiB, about 180 positions of both models)
+        items["prompt_cache"] = cfg.prompt_cache
+    try:
+        plan = plan_budget(budget, items, target.layer_bytes(), [r.nbytes for r in target.head_chunks],
+                           in_place=target.layout == "native")
+    except BudgetError as e:
+        if "prompt_cache" not in items:
+            raise
+        raise ConfigError(f"--prompt-cache {items['prompt_cache'] / 2**20:.0f} MiB does not fit: {e}") from None
     if budget is not None and cfg.context != TRADE_CONTEXT:  # say what the context length costs
         base_cfg = replace(cfg, context=TRADE_CONTEXT)
         try:
             base = build_budget(base_cfg, target, draft_bundle, draft_bytes, extra, draft_columns)
-        except BudgetError:
+        except (BudgetError, ConfigError):
             base = None
         plan = replace(plan, trade=context_trade(plan, base, cfg.context, TRADE_CONTEXT))
     return plan
@@ -160,7 +169,7 @@ def with_prompt_cache(plan: BudgetPlan, cfg, target, draft) -> tuple[BudgetPlan,
     leaves over; split between the models by their bytes per position. Returns (plan, bytes per model)."""
     if cfg.prompt_cache is not None:
         total = cfg.prompt_cache
-        if plan.budget is not None and plan.total + total > plan.budget:
+        if plan.budget is not None and plan.total - plan.items.get("prompt_cache", 0) + total > plan.budget:
             raise ConfigError(f"--prompt-cache {total / 2**20:.0f} MiB does not fit: the plan leaves "
                               f"{max(plan.budget - plan.total, 0) / 2**20:.0f} MiB of the DRAM budget")
     else:

@@ -197,5 +197,10 @@ def test_the_prompt_cache_is_a_line_of_the_budget(tiny_bundles):
     assert "prompt_cache" in auto.describe()
     fixed, fixed_bytes = trio.run(plan, 1 << 20)
     assert fixed_bytes <= 1 << 20 and fixed.total <= fixed.budget
+    # a size asked for beyond what the pinned layers leave is planned before them: they make room
+    more = auto_bytes + int(auto.layer_bytes[auto.pinned[-1]] * auto.weight_factor) // 2
+    roomy, roomy_bytes = trio.run(plan, more)
+    assert auto.pinned and len(roomy.pinned) < len(auto.pinned) and roomy.total <= roomy.budget
+    assert more - 1 <= roomy_bytes <= more and roomy.items["prompt_cache"] == roomy_bytes
     with pytest.raises(ConfigError, match="--prompt-cache 1024 MiB does not fit"):
         trio.run(plan, 1 << 30)
