@@ -125,8 +125,7 @@ class SubsetHead:
     @property
     def nbytes(self) -> int:
         """DRAM the head holds at most: the subset's rows and the largest prompt extra."""
-        extra = min(MAX_EXTRA, self.vocab - len(self.base_ids))
-        return (len(self.base_ids) + extra) * self.dram_row_bytes + self.norm.nbytes
+        return self.columns * self.dram_row_bytes + self.norm.nbytes
 
     @property
     def columns(self) -> int:

@@ -137,18 +137,13 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
         # a size asked for is planned before the pinned layers, which make room for it (by default the
         # cache takes what they leave: at 768 MiB lever's 7 MiB, about 180 positions of both models)
         items["prompt_cache"] = cfg.prompt_cache
-    try:
-        plan = plan_budget(budget, items, target.layer_bytes(), [r.nbytes for r in target.head_chunks],
-                           in_place=target.layout == "native")
-    except BudgetError as e:
-        if "prompt_cache" not in items:
-            raise
-        raise ConfigError(f"--prompt-cache {items['prompt_cache'] / 2**20:.0f} MiB does not fit: {e}") from None
+    plan = plan_budget(budget, items, target.layer_bytes(), [r.nbytes for r in target.head_chunks],
+                       in_place=target.layout == "native")
     if budget is not None and cfg.context != TRADE_CONTEXT:  # say what the context length costs
         base_cfg = replace(cfg, context=TRADE_CONTEXT)
         try:
             base = build_budget(base_cfg, target, draft_bundle, draft_bytes, extra, draft_columns)
-        except (BudgetError, ConfigError):
+        except BudgetError:
             base = None
         plan = replace(plan, trade=context_trade(plan, base, cfg.context, TRADE_CONTEXT))
     return plan
@@ -168,10 +163,7 @@ def with_prompt_cache(plan: BudgetPlan, cfg, target, draft) -> tuple[BudgetPlan,
     (``lever_actors.prefix_cache``), sized by ``cfg.prompt_cache`` or, by default, what the budget
     leaves over; split between the models by their bytes per position. Returns (plan, bytes per model)."""
     if cfg.prompt_cache is not None:
-        total = cfg.prompt_cache
-        if plan.budget is not None and plan.total - plan.items.get("prompt_cache", 0) + total > plan.budget:
-            raise ConfigError(f"--prompt-cache {total / 2**20:.0f} MiB does not fit: the plan leaves "
-                              f"{max(plan.budget - plan.total, 0) / 2**20:.0f} MiB of the DRAM budget")
+        total = cfg.prompt_cache  # with a budget, build_budget planned it already
     else:
         total = UNLIMITED_PROMPT_CACHE if plan.budget is None else max(plan.budget - plan.total, 0)
     t = kv_row_bytes(target, target.layout, cfg.lane.precision)
@@ -351,16 +343,21 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
     subset_head, vocab_note = draft_head(cfg, db, draft_lane, requantize=q4) if db is not None else (None, "no draft")
     extra = {"prune_head_rows": head_rows.cache_bytes} if head_rows is not None else None
     try:
-        plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head, q4) if db is not None else 0, extra,
-                            draft_columns=subset_head.columns if subset_head is not None else None)
-    except BudgetError:
-        if db is None or cfg.mode == "lever":  # lever's full head is the +no-vocab-trim ablation: refused
+        try:
+            plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head, q4) if db is not None else 0, extra,
+                                draft_columns=subset_head.columns if subset_head is not None else None)
+        except BudgetError:
+            if db is None or cfg.mode == "lever":  # lever's full head is the +no-vocab-trim ablation: refused
+                raise
+            subset_head, vocab_note = draft_head(cfg, db, draft_lane, too_big=True, requantize=q4)
+            if subset_head is None:
+                raise
+            plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head, q4), extra,
+                                draft_columns=subset_head.columns)
+    except BudgetError as e:
+        if not (cfg.prompt_cache and cfg.dram_budget is not None):
             raise
-        subset_head, vocab_note = draft_head(cfg, db, draft_lane, too_big=True, requantize=q4)
-        if subset_head is None:
-            raise
-        plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head, q4), extra,
-                            draft_columns=subset_head.columns)
+        raise ConfigError(f"--prompt-cache {cfg.prompt_cache / 2**20:.0f} MiB does not fit: {e}") from None
     plan, store_bytes = with_prompt_cache(plan, cfg, tb, db)
     lane = replace(cfg.lane, threads=verify_threads)
     target = await trio.to_thread.run_sync(
