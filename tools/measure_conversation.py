@@ -42,10 +42,13 @@ CHAT_OPENERS = [QUESTIONS[0], "Write a Python class for a bounded FIFO queue wit
                 "Write a Python function that parses '1h30m' style durations into seconds."]
 
 
-def start_daemon(sock: Path, serve_args: list[str], log: Path) -> subprocess.Popen:
+def start_daemon(sock: Path, serve_args: list[str], log: Path, preexec_fn=None) -> subprocess.Popen:
+    """``preexec_fn`` runs in the daemon's process before it execs (tools/measure_memory_cap.py
+    moves it into a memory cgroup there)."""
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "lever_actors", "serve", "--socket", str(sock),
-                                 *serve_args], stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+                                 *serve_args], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                preexec_fn=preexec_fn)
     deadline = time.monotonic() + 600
     while not sock.with_suffix(".json").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -55,14 +58,14 @@ def start_daemon(sock: Path, serve_args: list[str], log: Path) -> subprocess.Pop
     return proc
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, preexec_fn=None) -> dict:
     from lever_actors.client import SyncClient
 
     serve_args = ["--mode", args.mode, "--dram-budget", args.dram_budget, "--context", str(args.context),
                   "--threads", str(args.threads)] + (["--prompt-cache", args.prompt_cache] if args.prompt_cache else [])
     with tempfile.TemporaryDirectory() as tmp:
         sock, log = Path(tmp) / "lever.sock", Path(tmp) / "daemon.log"
-        proc = start_daemon(sock, serve_args, log)
+        proc = start_daemon(sock, serve_args, log, preexec_fn)
         try:
             with SyncClient(sock) as client:
                 chats: list[list[dict]] = [[] for _ in range(args.conversations)]
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
             "all_identical": all(r["identical"] for r in rows)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--turns", type=int, default=5, help="turns of the conversation (default 5)")
@@ -113,11 +116,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="chats held at once, their turns interleaved (default 1; at most 3)")
     p.add_argument("--prompt-cache", default=None, help="the daemon's --prompt-cache (default: its own)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if not 2 <= args.turns <= len(QUESTIONS):
         p.error(f"--turns must be 2 to {len(QUESTIONS)}")
     if not 1 <= args.conversations <= len(CHAT_OPENERS):
         p.error(f"--conversations must be 1 to {len(CHAT_OPENERS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = run(args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

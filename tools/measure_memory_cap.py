@@ -8,6 +8,13 @@ whose limit is the budget (it must not be OOM-killed) and inside one at 1.25x th
 budget (the kernel's peak count, ``memory.max_usage_in_bytes`` / ``memory.peak``,
 must stay within the budget: a hard limit alone cannot show an overrun, since the
 kernel reclaims before it kills). Needs root and a memory cgroup (v1 or v2).
+
+With ``--conversations N`` it also runs the daemon (``lever-actors serve``) inside the same two
+cgroups and holds N chats through its socket, their turns interleaved (``--turns`` each, greedy,
+tools/measure_conversation.py): the prompt cache then fills with copies of every chat's rows,
+which a single ``generate`` never does. ``--prompt-cache SIZE`` passes an explicit cache size to
+every run. A conversation run holds when the daemon answers every turn, each warm output equals
+its cold rerun, and nothing is OOM-killed (and, in the 1.25x group, the peak stays in the budget).
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lever_actors.memory import MemoryCgroup  # noqa: E402
+from tools import measure_conversation  # noqa: E402
 
 DECODING = {"greedy": [], "sampled T=0.8": ["--temperature", "0.8", "--seed", "1"]}
 
@@ -35,17 +43,60 @@ def budget_list(text: str) -> list[int]:
     return budgets
 
 
+def run_generate(a, budget: int, extra: list[str], cg: MemoryCgroup) -> dict:
+    """One ``generate`` inside ``cg``."""
+    p = subprocess.run([sys.executable, "-m", "lever_actors", "generate", "--humaneval",
+                        str(a.humaneval), "--mode", a.mode, "--dram-budget", f"{budget}MiB",
+                        "--max-tokens", str(a.max_tokens), *cache_args(a), *extra],
+                       capture_output=True, text=True, preexec_fn=cg.preexec, stdin=subprocess.DEVNULL)
+    return {"rc": p.returncode, "tail": (p.stderr.strip().splitlines() or [""])[-1][:160]}
+
+
+def run_conversations(a, budget: int, cg: MemoryCgroup) -> dict:
+    """The daemon inside ``cg`` holding ``a.conversations`` interleaved chats (the client stays outside)."""
+    args = measure_conversation.parse_args([
+        "--turns", str(a.turns), "--conversations", str(a.conversations), "--mode", a.mode,
+        "--dram-budget", f"{budget}MiB", "--context", str(a.context), "--max-tokens", str(a.max_tokens),
+        *cache_args(a)])
+    try:
+        out = measure_conversation.run(args, preexec_fn=cg.preexec)
+    except (SystemExit, Exception) as e:  # the daemon did not start, or died mid-chat
+        return {"rc": 1, "tail": f"{type(e).__name__}: {e}"[:160]}
+    turns = out["turns"]
+    cached = ", ".join(f"{r['conversation']}.{r['turn']}:{r['cache_n']}/{r['prompt_tokens']}" for r in turns)
+    return {"rc": 0 if out["all_identical"] else 1, "cache_n": [r["cache_n"] for r in turns],
+            "prompt_tokens": [r["prompt_tokens"] for r in turns],
+            "tail": f"{len(turns)} turns, rows reused (chat.turn:cached/prompt) {cached}; outputs "
+                    f"{'identical to cold' if out['all_identical'] else 'DIFFER from cold'}"}
+
+
+def cache_args(a) -> list[str]:
+    return ["--prompt-cache", a.prompt_cache] if a.prompt_cache else []
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", type=budget_list, default=[768], help="comma-separated budgets in MiB (default 768)")
     ap.add_argument("--mode", default="lever")
     ap.add_argument("--humaneval", type=int, default=3, help="the prompt (a development problem by default)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-cache", default=None, help="an explicit --prompt-cache SIZE for every run (default: the plan's)")
+    ap.add_argument("--conversations", type=int, default=0,
+                    help="also run the daemon holding this many interleaved chats (1-3; default 0: generate only)")
+    ap.add_argument("--turns", type=int, default=3, help="turns of each chat (default 3)")
+    ap.add_argument("--context", type=int, default=1024, help="the daemon's --context (default 1024)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
+    if not 0 <= a.conversations <= len(measure_conversation.CHAT_OPENERS):
+        ap.error(f"--conversations must be 0 to {len(measure_conversation.CHAT_OPENERS)}")
+    if not 2 <= a.turns <= len(measure_conversation.QUESTIONS):
+        ap.error(f"--turns must be 2 to {len(measure_conversation.QUESTIONS)}")
+    runs = {label: (lambda b, cg, extra=extra: run_generate(a, b, extra, cg)) for label, extra in DECODING.items()}
+    if a.conversations:
+        runs[f"daemon, {a.conversations} chats x {a.turns} turns"] = lambda b, cg: run_conversations(a, b, cg)
     out, ok = {}, True
     for budget in a.budgets:
-        for label, extra in DECODING.items():
+        for label, runner in runs.items():
             for factor in (1.0, 1.25):
                 name = f"{a.mode} {budget}MiB {label} limit x{factor}"
                 try:
@@ -54,13 +105,8 @@ def main() -> int:
                     sys.exit(f"measure_memory_cap: cannot create a memory cgroup here ({e}); it needs root and "
                              "a memory controller (cgroup v1 or v2)")
                 with cg:
-                    p = subprocess.run([sys.executable, "-m", "lever_actors", "generate", "--humaneval",
-                                        str(a.humaneval), "--mode", a.mode, "--dram-budget", f"{budget}MiB",
-                                        "--max-tokens", str(a.max_tokens), *extra],
-                                       capture_output=True, text=True, preexec_fn=cg.preexec,
-                                       stdin=subprocess.DEVNULL)
-                    row = {"rc": p.returncode, "peak_mib": round(cg.peak / 2**20, 1), "oom_kills": cg.oom_kills,
-                           "tail": (p.stderr.strip().splitlines() or [""])[-1][:160]}
+                    row = runner(budget, cg)
+                    row.update(peak_mib=round(cg.peak / 2**20, 1), oom_kills=cg.oom_kills)
                 held = row["rc"] == 0 and row["oom_kills"] == 0 and (factor == 1.0 or row["peak_mib"] <= budget)
                 ok &= held
                 out[name] = row
