@@ -355,7 +355,10 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
             plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head, q4), extra,
                                 draft_columns=subset_head.columns)
     except BudgetError as e:
-        if not (cfg.prompt_cache and cfg.dram_budget is not None):
+        # the cache is to blame only where the rest would run without it (else the budget is too small anyway)
+        minimum = getattr(e, "minimum", None)
+        if not (cfg.prompt_cache and cfg.dram_budget is not None and minimum is not None
+                and minimum - cfg.prompt_cache <= cfg.dram_budget):
             raise
         raise ConfigError(f"--prompt-cache {cfg.prompt_cache / 2**20:.0f} MiB does not fit: {e}") from None
     plan, store_bytes = with_prompt_cache(plan, cfg, tb, db)

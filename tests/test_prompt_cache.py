@@ -183,7 +183,7 @@ def test_two_interleaved_conversations_both_stay_warm_and_exact(tiny_bundles):
 
 
 def test_the_prompt_cache_is_a_line_of_the_budget(tiny_bundles):
-    from lever_actors.errors import ConfigError
+    from lever_actors.errors import BudgetError, ConfigError
 
     target, draft = tiny_bundles
 
@@ -204,3 +204,13 @@ def test_the_prompt_cache_is_a_line_of_the_budget(tiny_bundles):
     assert more - 1 <= roomy_bytes <= more and roomy.items["prompt_cache"] == roomy_bytes
     with pytest.raises(ConfigError, match="--prompt-cache 1024 MiB does not fit"):
         trio.run(plan, 1 << 30)
+
+    async def too_small(size):
+        cfg = EngineConfig(mode="lever", gamma=6, context=CONTEXT, dram_budget=1 << 20, prompt_cache=size)
+        async with open_pipeline(cfg, target, draft, set()):
+            pass
+
+    # a budget too small for the pair even without a cache is refused as such, not blamed on the cache
+    with pytest.raises(BudgetError) as refused:
+        trio.run(too_small, 1 << 10)
+    assert "--prompt-cache" not in str(refused.value)
