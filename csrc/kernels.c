@@ -930,7 +930,7 @@ static void few_rows_q32_512(int type, const uint8_t *w, size_t rb, int64_t j0, 
             const char *ahead = (const char *)w + (size_t)(j + PREFETCH_ROWS) * rb;
             for (size_t o = 0; o < (size_t)R * rb; o += 64) __builtin_prefetch(ahead + o, 0, 3);
         }
-        Q32_ROWS(2);
+        Q32_ROWS(R); /* the shape the loop steps by */
     }
     for (; j < j1; j++) Q32_ROWS(1);
 }
