@@ -204,11 +204,14 @@ class NpuVerifier:
         t0 = time.perf_counter()
         if stage >= self.m.n_layer:
             out = self.m.head_logits(sess, x[rows])
-        else:
-            parts = []
+        elif len(self._chunks) == 1:
+            (lo, hi), = self._chunks
+            out = self.m.run_layer(stage, sess, x[lo:hi], feeds_list[0], slots_list[0])
+        else:  # a prompt: a chunk reads only its own rows of ``x``, so its output overwrites them, and the
+            # prompt's hidden rows take one array, not three (the chunks' outputs, then their concatenation)
             for (lo, hi), feeds, slots in zip(self._chunks, feeds_list, slots_list):
-                parts.append(self.m.run_layer(stage, sess, x[lo:hi], feeds, slots))
-            out = np.concatenate(parts) if len(parts) > 1 else parts[0]
+                x[lo:hi] = self.m.run_layer(stage, sess, x[lo:hi], feeds, slots)
+            out = x
         self.tracer.add(f"layer {stage}" if stage < self.m.n_layer else f"lm head {stage - self.m.n_layer}", "npu",
                         t0, time.perf_counter(),
                         rows=int(len(x) if stage < self.m.n_layer else len(rows)))  # the head computes ``rows`` only

@@ -59,31 +59,38 @@ SAMPLED_ROW_TEMPS = 4  # float64 vocabulary rows a sampled acceptance holds at o
 DRAFT_CALL_ROWS = 16  # a draft call's rows of logits, planned over the whole vocabulary (a bound)
 
 
-def layer_floats_per_row(dims: dict, context: int) -> int:
-    """fp32 values one row of a layer call holds at its peak (MLP, norms and projections, and its
-    attention scores over the context)."""
-    return 3 * dims["ffn"] + 6 * dims["hidden"] + 3 * dims["n_head"] * context
+def layer_floats_per_row(dims: dict, context: int, native: bool = True) -> int:
+    """fp32 values one row of a layer call holds at its peak: MLP, norms and projections, and what
+    grows with the context. The native kernels keep a row's attention scores in a scratch of one
+    head group per thread (a few KiB), so that is the row's key order and mask (8 + 4 bytes a
+    slot; a prompt's rows share one order); an ONNX Runtime layer graph holds every head's scores,
+    their exponentials and probabilities (measured: a native layer call's peak is within 3% of
+    this bound, ``tests/test_runtime.py``)."""
+    per_slot = 3 if native else 3 * dims["n_head"]
+    return 3 * dims["ffn"] + 6 * dims["hidden"] + per_slot * context
 
 
 def activation_bytes(dims: dict, context: int, verify_rows: int, sampled_rows: int, head_slice: int,
-                     coupled: bool = False) -> int:
-    """Peak activations of a pass (fp32): a layer call over its rows (a prefill chunk or a tree),
-    then the LM head's. A greedy pass keeps one head slice's logits at a time (``HeadScores``); a
-    sampled one keeps its rows' whole logits, its acceptance a few float64 rows, and beside them
-    the draft's distributions (rejection sampling) or the cached Gumbel noise rows (coupled)."""
+                     coupled: bool = False, native: bool = True) -> int:
+    """Peak activations of a pass (fp32): a layer call over its rows (a prefill chunk or a tree)
+    beside the hidden rows of a whole prompt (a streamed layer is read once, so every prompt row
+    goes through it before the next; one array, overwritten chunk by chunk), then the LM head's.
+    A greedy pass keeps one head slice's logits at a time (``HeadScores``); a sampled one keeps its
+    rows' whole logits, its acceptance a few float64 rows, and beside them the draft's
+    distributions (rejection sampling) or the cached Gumbel noise rows (coupled)."""
     vocab = dims["vocab_size"]
     beside = NOISE_CACHE_ENTRIES * vocab * 4 if coupled else sampled_rows * vocab * 4
     head = max(verify_rows * head_slice * 4, sampled_rows * vocab * 4 + beside + SAMPLED_ROW_TEMPS * vocab * 8)
-    return max(FEED_CHUNK, verify_rows) * layer_floats_per_row(dims, context) * 4 + head
+    prompt_rows = context * dims["hidden"] * 4
+    return max(FEED_CHUNK, verify_rows) * layer_floats_per_row(dims, context, native) * 4 + prompt_rows + head
 
 
-def draft_activation_bytes(dims: dict, context: int, columns: int | None = None) -> int:
+def draft_activation_bytes(dims: dict, context: int, columns: int | None = None, native: bool = True) -> int:
     """The drafter's peak activations, beside the verifier's (the two lanes run at once): a chunk of
     the prompt it digests, then a draft call's logits over ``columns`` (a subset head's, else the
-    whole vocabulary). Its attention scores grow with the context as the target's do (at 4096
-    tokens, 47 MiB for the 0.5B draft; left to the headroom, they took a 3000-token prompt over a
-    768 MiB budget)."""
-    return FEED_CHUNK * layer_floats_per_row(dims, context) * 4 + DRAFT_CALL_ROWS * (columns or dims["vocab_size"]) * 4
+    whole vocabulary). Its layers are resident, so a chunk goes through all of them before the
+    next: no array holds the whole prompt's hidden rows, as the verifier's does."""
+    return FEED_CHUNK * layer_floats_per_row(dims, context, native) * 4 + DRAFT_CALL_ROWS * (columns or dims["vocab_size"]) * 4
 
 
 def head_slice_rows(bundle) -> int:
@@ -120,13 +127,14 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
     d = target.dims
     precision = cfg.lane.precision
     items = {"target_kv": cfg.context * kv_row_bytes(target, target.layout, precision),
-             "activations": activation_bytes(d, cfg.context, *verify_rows(cfg),
-                                             head_slice_rows(target), cfg.coupled), **(extra or {})}
+             "activations": activation_bytes(d, cfg.context, *verify_rows(cfg), head_slice_rows(target),
+                                             cfg.coupled, native=target.layout == "native"), **(extra or {})}
     if cfg.dram_budget is not None and cfg.mode != "resident-ar" and runtime_baseline() > 0:
         items = {"runtime": runtime_baseline(), "headroom": HEADROOM, **items}
     if draft_bundle is not None:
         items["draft_weights"] = draft_bytes
-        items["draft_activations"] = draft_activation_bytes(draft_bundle.dims, cfg.context, draft_columns)
+        items["draft_activations"] = draft_activation_bytes(draft_bundle.dims, cfg.context, draft_columns,
+                                                            native=draft_bundle.layout == "native")
         items["draft_kv"] = cfg.context * kv_row_bytes(draft_bundle, draft_bundle.layout, precision)
     budget = cfg.dram_budget if cfg.mode != "resident-ar" else None
     if target.layout != "native" and budget is not None:

@@ -331,9 +331,9 @@ def test_levers_draft_is_requantized_to_q4_0_and_the_output_is_the_target_s(tiny
     assert weights["lever+no-draft-q4"] - weights["lever"] == stored - q4 > 0
 
 
-def _min_budget(target, draft=None, mode: str = "flash-ar") -> int:
+def _min_budget(target, draft=None, mode: str = "flash-ar", context: int = CONTEXT) -> int:
     """The smallest budget the planner accepts (found from its own refusal message)."""
-    cfg = EngineConfig(context=CONTEXT, dram_budget=1).with_mode(mode)
+    cfg = EngineConfig(context=context, dram_budget=1).with_mode(mode)
     try:
         trio.run(generate, cfg, target, draft, [1, 2, 3])
     except BudgetError as e:
@@ -654,6 +654,70 @@ def test_the_drafters_activations_are_planned_and_grow_with_the_context(tiny_bun
     assert plans[1024].items["draft_activations"] > plans[256].items["draft_activations"]
     alone = build_budget(EngineConfig(mode="flash-ar", context=1024, dram_budget=None), target, None, 0)
     assert "draft_activations" not in alone.items
+
+
+@pytest.mark.parametrize("context", [128, 1024])
+@pytest.mark.parametrize("kind,rows", [("prompt chunk", 64), ("tree", 9)])
+def test_a_native_layer_call_holds_no_more_than_the_plan_counts_a_row(tiny_bundles, context, kind, rows):
+    """The plan's activations rest on ``layer_floats_per_row``: what one row of a native layer call
+    holds at its peak, its key order and mask included (a tree's rows have their own). Traced from
+    before the layout is built to the end of the call, the peak stays within the bound, and the
+    bound is not loose by every head's scores. (The tiny target has the real target's Q4_K and
+    Q6_K matrices; the tiny draft's F32 and F16 ones, which no real pair here has, take the
+    headroom for a converted copy of the rows.)"""
+    import tracemalloc
+
+    import numpy as np
+
+    from lever_actors.bundle import load_bundle
+    from lever_actors.model import Transformer, attention_layout, causal_layout
+    from lever_actors.ortrt import LaneConfig
+    from lever_actors.runtime import layer_floats_per_row
+
+    bundle = load_bundle(tiny_bundles[0])
+    m = Transformer(bundle, context, LaneConfig(threads=2), resident_layers=[0], load_head=False)
+    p0 = context - rows - 3
+    slots = np.arange(p0, p0 + rows)
+    x = np.random.default_rng(context + rows).standard_normal((rows, m.hidden)).astype(np.float32)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        layout = (causal_layout(context, p0, rows) if kind == "prompt chunk" else
+                  attention_layout(context, p0, [[p0 + j for j in range(i // 3 * 3, i + 1)] for i in range(rows)]))
+        y = m.run_layer(0, m.resident[0], x, m.feeds(slots, slots, layout), slots)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert y.shape == x.shape
+    bound = rows * layer_floats_per_row(bundle.dims, context) * 4
+    assert peak <= bound, (peak, bound)
+    # counting every head's scores (and their exponentials and probabilities, as a layer graph of
+    # ONNX Runtime holds them) would leave at least 9 floats a slot per row unheld, more than this:
+    assert bound - peak < rows * 2 * bundle.dims["n_head"] * context * 4, (peak, bound)
+
+
+def test_a_prompt_of_several_chunks_is_prefilled_in_place_and_exactly(tiny_bundles):
+    """A streamed layer computes every chunk of a prompt before the next layer is read, each chunk's
+    output overwriting its own input rows. Every layer's K/V rows of the prompt equal, bit for bit,
+    those of the resident model, whose prefill takes each chunk through every layer before the next
+    (the tiny pair's tokens alone would not show a wrong hidden row: its embeddings dominate)."""
+    import numpy as np
+
+    from lever_actors.bundle import load_bundle
+    from lever_actors.model import FEED_CHUNK, Transformer
+    from lever_actors.ortrt import LaneConfig
+
+    target = tiny_bundles[0]
+    ids = tokenizer(target).encode(PROMPT * 40)[: 2 * FEED_CHUNK + 37]
+    assert len(ids) == 2 * FEED_CHUNK + 37  # three chunks, the last one short
+    resident = Transformer(load_bundle(target), 256, LaneConfig())
+    resident.prefill(ids)
+    cfg = EngineConfig(mode="flash-ar", context=256, dram_budget=_min_budget(target, context=256))
+    _, _, pipe = trio.run(generate, cfg, target, None, ids)
+    assert pipe.plan.streamed
+    n = len(ids)
+    for mine, want in ((pipe.target.kv.k, resident.kv.k), (pipe.target.kv.v, resident.kv.v)):
+        np.testing.assert_array_equal(mine[:, :, :n], want[:, :, :n])
 
 
 @pytest.mark.parametrize("draft_kind", ["perturbed", "exact", "unrelated"])
