@@ -640,9 +640,9 @@ def test_expansion_depth_counts_the_levels_drafted():
 
 
 def test_the_drafters_activations_are_planned_and_grow_with_the_context(tiny_bundles):
-    """The drafter computes beside the verifier, so its peak (a prompt chunk's attention over the
-    context, a draft call's logits) is a line item of its own; left to the headroom it took a
-    3000-token prompt at a 4096-token context over a 768 MiB budget on the real pair."""
+    """The drafter computes beside the verifier, so its peak (a prompt chunk's rows and their key
+    orders over the context, a draft call's logits) is a line item of its own; left to the headroom
+    it took a 3000-token prompt at a 4096-token context over a 768 MiB budget on the real pair."""
     from lever_actors.bundle import load_bundle
     from lever_actors.runtime import build_budget, draft_activation_bytes
 
