@@ -21,9 +21,11 @@ from lever_actors.tokenizer import TextTokenizer
 
 PROMPT = "def add(left, right):\n    return"
 TOKENS = 16
-# budgets at which the tiny target streams all three layers (two stream slots, nothing pinned)
-STREAMED = dict(context=128, dram_budget=int(8.5 * 2**20))
-STREAMED_AR = dict(context=128, dram_budget=int(2.5 * 2**20))
+# budgets at which the tiny target streams all three layers (two stream slots, nothing pinned), with the
+# draft in Q4_0 (AVX-512 builds: the head pinned) or as stored (the head streamed too);
+# test_the_fault_budgets_stream_every_layer keeps them there
+STREAMED = dict(context=128, dram_budget=int(8.0 * 2**20))
+STREAMED_AR = dict(context=128, dram_budget=int(2.2 * 2**20))
 
 
 class Faults:
@@ -359,3 +361,17 @@ def test_the_daemon_answers_a_changed_draft_row_with_model_damaged_and_keeps_ser
     assert first.token_ids == reference and after.token_ids == reference
     assert error.code == "model_damaged" and not error.retryable and f"embedding row {token}" in error.message
     assert stats["daemon"]["requests"]["failed"] == 1
+
+
+@pytest.mark.parametrize("mode", ["lever", "flash-ar"])
+def test_the_fault_budgets_stream_every_layer(tiny_bundles, mode):
+    """The faults above are injected into streamed reads, so at their budgets the planner must pin no
+    layer of the tiny target (a plan that counts less memory pins more at the same budget)."""
+    cfg = EngineConfig(mode=mode, gamma=6, **(STREAMED if mode == "lever" else STREAMED_AR))
+
+    async def plan():
+        async with open_pipeline(cfg, tiny_bundles[0], tiny_bundles[1] if mode == "lever" else None, set()) as pipe:
+            return pipe.plan
+
+    p = trio.run(plan)
+    assert p.pinned == () and len(p.streamed) == 3, (p.pinned, p.streamed)
