@@ -51,6 +51,11 @@ class BudgetPlan:
         return f"DRAM {mib(self.total)} of {cap}: " + ", ".join(parts) + (f"; {self.trade}" if self.trade else "")
 
 
+def _count(lost: int, thing: str) -> str:
+    """``2 fewer pinned layers``, ``1 more stream slot``: what a plan has against another, in words."""
+    return f"{abs(lost)} {'fewer' if lost > 0 else 'more'} {thing}{'' if abs(lost) == 1 else 's'}"
+
+
 def context_trade(plan: BudgetPlan, base: BudgetPlan | None, context: int, base_context: int) -> str:
     """In words, what ``context`` costs against ``base_context`` under the same budget: the memory
     its KV rows and activations take, paid for with pinned layers (which then stream every pass)."""
@@ -65,10 +70,10 @@ def context_trade(plan: BudgetPlan, base: BudgetPlan | None, context: int, base_
     slots = base.n_slots - plan.n_slots
     more = "more" if delta >= 0 else "less"
     # the words follow each count's own sign: a plan that streams the head may pin more layers
-    what = f"{abs(lost)} {'fewer' if lost > 0 else 'more'} pinned layers ({len(plan.pinned)} instead of " \
-        f"{len(base.pinned)})" if lost else "no pinned layer"
+    what = f"{_count(lost, 'pinned layer')} ({len(plan.pinned)} instead of {len(base.pinned)})" if lost \
+        else "the same pinned layers"
     if slots:
-        what += f" and {abs(slots)} {'fewer' if slots > 0 else 'more'} stream slots"
+        what += f" and {_count(slots, 'stream slot')}"
     head = " and streams the LM head" if plan.head_streamed and not base.head_streamed else \
         " and pins the LM head" if base.head_streamed and not plan.head_streamed else ""
     return (f"a {context}-token context takes {mib(delta)} {more} for KV rows and activations than {base_context} "

@@ -107,3 +107,20 @@ def test_a_longer_context_that_trades_the_pinned_head_for_a_layer_says_so():
     text = context_trade(long, short, 4096, 1024)
     assert f"{len(long.pinned)} more pinned layers ({len(long.pinned)} instead of 0) and streams the LM head" in text
     assert "pins the LM head" in context_trade(short, long, 1024, 4096)
+
+
+def test_a_context_trade_counts_in_words_that_follow_the_number():
+    """One layer or slot is "1 ... layer", not "1 ... layers"; no change says so."""
+    from lever_actors.budget import context_trade
+
+    layers, head = [10 * MB] * 12, [8 * MB]
+    base = plan_budget(200 * MB, {"target_kv": 20 * MB}, layers, head)
+    one_fewer = dataclasses.replace(base, pinned=base.pinned[1:], n_slots=base.n_slots + 1,
+                                    items={"target_kv": 30 * MB})
+    text = context_trade(one_fewer, base, 4096, 1024)
+    assert f"1 fewer pinned layer ({len(base.pinned) - 1} instead of {len(base.pinned)}) and 1 more stream slot" \
+        in text and "layers (" not in text and "slots" not in text
+    two_more = context_trade(base, dataclasses.replace(base, pinned=base.pinned[2:]), 512, 1024)
+    assert "2 more pinned layers" in two_more
+    same = context_trade(dataclasses.replace(base, items={"target_kv": 21 * MB}), base, 2048, 1024)
+    assert same.endswith("than 1024 tokens: the same pinned layers")
