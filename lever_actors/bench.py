@@ -102,7 +102,7 @@ def summarize(rows: list[dict]) -> dict:
         "mean_accepted": sum((r["stats"].get("mean_accepted") or 0) * r["stats"].get("passes", 0)
                              for r in rows) / passes if passes else 1.0,
         "flash_bytes_per_token": sum(r["stats"].get("flash_bytes_read", 0) for r in rows) / max(toks, 1),
-        "io_s_per_pass": sum(r["stats"].get("io_s", 0) for r in rows) / max(passes, 1),
+        "io_s_per_pass": sum(_decode_io_s(r) for r in rows) / max(passes, 1),
         "compute_s_per_pass": sum(r["stats"].get("compute_s", 0) for r in rows) / max(passes, 1),
         "draft_s_per_pass": sum(r["stats"].get("draft_s", 0) for r in rows) / max(passes, 1),
         "overlap": _median([r["stats"].get("overlap", 1.0) for r in rows]),
@@ -139,6 +139,13 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
+def _decode_io_s(row: dict) -> float:
+    """A prompt's flash reads during its decode passes, not its prefill's (which read every streamed
+    layer once more: results written before 2026-12-07 have only the sum, ``io_s``)."""
+    st = row["stats"]
+    return st.get("decode_io_s", st.get("io_s")) or 0.0
+
+
 def _pipeline_summary(rows: list[dict], passes: int) -> dict:
     """Where a pass goes: the pipeline bound (the largest of flash, compute and the draft time the passes
     waited for), efficiency = bound / measured pass, the tokens a second the mode would reach if every
@@ -149,7 +156,8 @@ def _pipeline_summary(rows: list[dict], passes: int) -> dict:
 
     p = max(passes, 1)
     pass_s, wait_s, io_s = total("pass_s"), total("draft_wait_s"), total("io_s")
-    parts = {"flash": io_s / p, "compute": total("compute_s") / p, "draft": wait_s / p}
+    decode_io_s = sum(_decode_io_s(r) for r in rows)
+    parts = {"flash": decode_io_s / p, "compute": total("compute_s") / p, "draft": wait_s / p}
     bound = max(parts.values())
     committed = sum((r["stats"].get("mean_accepted") or 0) * (r["stats"].get("passes") or 0) for r in rows)
     hits, misses = total("spec_hits"), total("spec_misses")

@@ -94,13 +94,16 @@ class RunStats:
     dropped: int = 0  # nodes not computed to the end (pruned ones and their subtrees)
     turns_passes: int = 0  # lever passes run taking turns with the drafter (schedule.py), not beside it
 
-    def as_dict(self, io_busy_s: float = 0.0) -> dict:
+    def as_dict(self, io_busy_s: float = 0.0, decode_io_s: float | None = None) -> dict:
+        """``io_busy_s``: the flash lane's busy seconds over the request, the prefill's reads too;
+        ``decode_io_s``: over its decode passes alone, what a pass's reads are measured by."""
         p = max(self.passes, 1)
+        decode_io_s = io_busy_s if decode_io_s is None else decode_io_s
         return {
             "passes": self.passes, "draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted,
             "mean_accepted": self.committed / p, "n_tokens": self.committed,
             "flash_bytes_read": self.flash_bytes, "flash_bytes_per_token": self.flash_bytes / max(self.committed, 1),
-            "io_s": io_busy_s, "io_wait_s": self.io_wait_s, "compute_s": self.compute_s, "draft_s": self.draft_s,
+            "io_s": io_busy_s, "decode_io_s": decode_io_s, "io_wait_s": self.io_wait_s, "compute_s": self.compute_s, "draft_s": self.draft_s,
             "draft_hidden_s": self.draft_hidden_s, "spec_hits": self.spec_hits, "spec_misses": self.spec_misses,
             "spec_next_token_misses": self.spec_next_token_misses,
             "spec_early_hits": self.spec_early_hits, "spec_runner_up_hits": self.spec_runner_up_hits,
@@ -113,7 +116,7 @@ class RunStats:
             "draft_wait_share": self.draft_wait_s / self.pass_s if self.pass_s > 0 else 0.0,
             "draft_ms_per_token": 1e3 * self.draft_busy_s / self.draft_tokens if self.draft_tokens else None,
             "pass_s": self.pass_s, "cache_n": self.cache_n, "prompt_n": self.prompt_n, "ttft_s": self.ttft_s,
-            "io_s_per_pass": io_busy_s / p, "compute_s_per_pass": self.compute_s / p,
+            "io_s_per_pass": decode_io_s / p, "compute_s_per_pass": self.compute_s / p,
             "draft_wait_s_per_pass": self.draft_wait_s / p,
             "stall_s_per_pass": self.io_wait_s / p,  # verification lane waiting for its next layer
             "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
@@ -206,6 +209,7 @@ class Generation:
     ahead_busy_s: float = 0.0  # drafter time of the trees taken (their answers count it cumulatively)
     verify_start: float = 0.0  # when this pass's plan went to the verifier
     reads0: float = 0.0  # the flash lane's busy seconds when this pass began
+    decode_reads0: float = 0.0  # ... when the decode passes began (the prefill's reads are not theirs)
     reuse: bool = True  # prompt caching: prefill only what the last sequence does not share
     prefill_draft: bool = False  # the drafter's answer to the prefill is still to be collected
     schedule: str = OVERLAP  # this pass's: the next tree drafted beside it, or after it (lever: schedule.py)
@@ -260,6 +264,10 @@ class Pipeline:
         self.tracer, self.prefetcher, self.verifier = tracer, prefetcher, verifier
         self.session_id = 0
         self.stale = 0
+        # draft requests not yet answered in full, and the answers taken of the oldest: the drafter
+        # answers every request, whatever became of its generation (see _take_owed_answers)
+        self.drafts_owed, self.answers_taken = 0, 0
+        self.draft_send = self.draft_recv = None  # wired with a drafter (runtime.open_pipeline)
         self.lever = LeverPolicy()  # calibration and costs persist across generations
         self.lever.costs.buckets = cfg.buckets
         self.lever.marginal_depth = cfg.marginal_depth
@@ -324,13 +332,14 @@ class Pipeline:
             steer0["predicted"] = self.pruner.predictions
         t_prefill = time.perf_counter()
         commit = await self._prefill(g)
-        t_decode = time.perf_counter()
+        t_decode, g.decode_reads0 = time.perf_counter(), self.tracer.busy("flash")
         g.stats.ttft_s = t_decode - t_prefill
         finish = "length"
         while True:
             finish = await self._emit(g, commit, emit)
             if finish == "stop" or len(g.out) >= max_tokens:
                 break
+            t_cycle = time.perf_counter()  # the first pass's time includes its wait for the prefill's draft
             if g.prefill_draft:
                 g.prefill_draft = False
                 exps = await self._receive_drafts(g, max(g.spec.in_flight, 1))
@@ -349,7 +358,7 @@ class Pipeline:
             _raise_fault(commit)
             self._observe(g, tree, commit, ps, time.perf_counter() - t_pass)
             await self._settle(g, commit)
-            g.stats.pass_s += time.perf_counter() - t_pass
+            g.stats.pass_s += time.perf_counter() - t_cycle
             g.cycle_tokens, g.cycle_parts = len(commit.tokens), (self._pass_reads(g), ps.compute_s)
         await self._collect_outstanding(g)
         self._end_cycle(g)
@@ -390,11 +399,12 @@ class Pipeline:
         cross-step drafting, already drafts the first tree after its own guess of the first token."""
         ahead = self.drafter is not None and g.gamma > 0 and self.cfg.overlap
         if self.drafter is not None:
+            await self._take_owed_answers()
             # the first tree takes the configured shape (greedy lever's planner cuts it), except a sampled
             # lever tree, verified whole: it keeps the sampled rule from the first pass on
             first = self._draft_limits(g, hidden=True) if self._sampled_rule(g) else \
                 {"max_nodes": g.draft_cap, "max_depth": g.max_depth, "min_path_p": 0.0}
-            await self.draft_send.send(DraftRequest(
+            await self._request_draft(DraftRequest(
                 session_id=g.sid, step=0, epoch=0, root_token=g.prompt[-1], position=len(g.prompt) - 1,
                 max_nodes=0, max_depth=0, top_k=g.top_k if ahead else 1, reset=True, reuse_prefix=g.reuse,
                 hypotheses=(((), (), first["max_nodes"], first["max_depth"], 0),) if ahead else (),
@@ -441,7 +451,7 @@ class Pipeline:
         if ready is not None:  # drafted while the last pass verified: nothing to wait for
             g.stats.draft_hidden_s += ready.draft_s
             return Tree.from_expansion(ready, ahead=True)
-        await self.draft_send.send(DraftRequest(
+        await self._request_draft(DraftRequest(
             session_id=g.sid, step=g.step, epoch=0, root_token=g.root, position=g.position, top_k=g.top_k,
             **self._draft_limits(g, hidden=False), **g.spec.settle_fields(), **g.sampling))
         exp = await self._receive_draft(g)
@@ -569,7 +579,7 @@ class Pipeline:
         pace = self.lever.pace
         if self._planning(g) and self.cfg.level_deadline and not until_commit and pace.verify_s:
             limits["deadline_s"] = g.verify_start + pace.verify_s  # when this pass is expected to commit
-        await self.draft_send.send(DraftRequest(
+        await self._request_draft(DraftRequest(
             session_id=g.sid, step=g.step + 1, epoch=0, root_token=g.root, position=g.position, top_k=g.top_k,
             hypotheses=tuple(hyps), **limits, **g.spec.settle_fields(), **g.sampling))
         g.spec.assume(len(hyps))
@@ -607,7 +617,7 @@ class Pipeline:
                 first.set()
                 if "commit" in got or not any(e.growing for e in exps) or not self._level_fits(g):
                     return
-                await self.draft_send.send(DraftRequest(
+                await self._request_draft(DraftRequest(
                     session_id=g.sid, step=g.step + 1, epoch=0, root_token=g.root, position=g.position, top_k=g.top_k,
                     max_nodes=0, max_depth=0, extend=True, levels=AHEAD_MORE_LEVELS, **g.sampling))
                 pending = n
@@ -714,7 +724,8 @@ class Pipeline:
                 t_decode: float, check0: float) -> tuple[list[int], str, dict]:
         release_memory()  # the budget is the process: what this generation freed goes back to the OS
         g.stats.flash_bytes = self.prefetcher.bytes_read - io_before
-        d = g.stats.as_dict(self.tracer.busy("flash") - t_io0)
+        now = self.tracer.busy("flash")
+        d = g.stats.as_dict(now - t_io0, decode_io_s=now - g.decode_reads0)
         # share of flash-read time hidden behind builds, layer compute or drafting
         d["overlap"] = self.tracer.overlap("flash", ("build", "npu", "cpu"), t_start)
         if self._auto_schedule():
@@ -759,13 +770,41 @@ class Pipeline:
         g.stats.draft_wait_s += waited
         g.pass_wait_s += waited
 
+    async def _request_draft(self, req: DraftRequest) -> None:
+        await self.draft_send.send(req)
+        self.drafts_owed += 1
+
+    def _answered(self, exp) -> None:
+        """A draft answer came: its request is answered in full with the ``exp.of``-th."""
+        self.answers_taken += 1
+        if self.answers_taken >= exp.of:
+            self.drafts_owed, self.answers_taken = self.drafts_owed - 1, 0
+
+    async def _take_owed_answers(self) -> None:
+        """Before a generation's first draft request: drop what the drafter still owes the ones
+        before. A cancelled generation leaves answers unread; the drafter, held in a send by the
+        next of them, takes no request, and a few such cancels in a row (a client that leaves at
+        its first token) filled every channel: the next request's first send waited for ever."""
+        while self.drafts_owed:
+            self._answered(await self.draft_recv.receive())
+            self.stale += 1
+
     async def _receive(self, chan, sid: int):
-        """Next message of session ``sid``; answers to an abandoned (cancelled) session are dropped."""
+        """Next message of session ``sid``; answers to an abandoned (cancelled) session are dropped,
+        a commit together with the stats the acceptor sends after it (left in their channel, they
+        would hold the acceptor in a send while the driver waits for the next commit)."""
         while True:
             msg = await chan.receive()
+            if chan is self.draft_recv:
+                self._answered(msg)
             if msg.session_id == sid:
                 return msg
             self.stale += 1
+            while chan is self.commit_recv:
+                stats = await self.stats_recv.receive()  # older unread stats go too
+                self.stale += 1
+                if (stats.session_id, stats.step) == (msg.session_id, msg.step):
+                    break
 
     def verifier_stats(self) -> dict:
         stores = [self.verifier.prefix_store] + ([self.drafter.prefix_store] if self.drafter is not None else [])

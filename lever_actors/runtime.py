@@ -39,9 +39,11 @@ from lever_actors.prefix_cache import PrefixStore
 from lever_actors.sampling import NOISE_CACHE_ENTRIES
 from lever_actors.trace import TRACE_FILE_EVENTS, Tracer
 
-# Channel capacities, one table (STYLE 8.7). One pass is in flight at a time, so
-# every link carries at most one message per pass; 1 is enough and keeps
-# backpressure tight. The release link is sized to the pool (see FlashPrefetcher).
+# Channel capacities, one table (STYLE 8.7). One pass is in flight at a time, and 1 keeps
+# backpressure tight. A draft request has an answer per hypothesis, each held in a send until the
+# one before is taken; the driver takes every answer and every commit's stats it is owed, a
+# cancelled generation's too (driver._take_owed_answers, driver._receive). The release link is
+# sized to the pool (see FlashPrefetcher).
 CHANNELS = {"ready": 1, "plans": 1, "done": 1, "commits": 1, "stats": 1, "draft_requests": 1, "drafts": 1,
             "exits": 1, "masks": 1, "steers": 4, "grants": 4}
 # steers (pruner and driver -> drafter) are advice sent without waiting: a pass sends at most two

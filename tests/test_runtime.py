@@ -422,6 +422,89 @@ def test_cancelling_a_generation_frees_buffers_and_the_next_one_is_exact(tiny_bu
     assert seen["closed"]  # closing the pipeline unmaps every stream buffer
 
 
+@pytest.mark.parametrize("mode", ["lever:16", "flash-chain:3"])
+def test_requests_cancelled_one_after_another_leave_the_pipeline_serving_exactly(tiny_bundles, ar_tokens, mode):
+    """A cancelled generation leaves answers owed: the drafter's (it answers every request, and is
+    held in a send while one waits in its channel) and the acceptor's (a commit, then its stats).
+    Several cancels in a row once filled every channel and the next request waited for ever."""
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(context=CONTEXT, dram_budget=_min_budget(target, draft, mode)).with_mode(mode)
+    seen = {}
+
+    async def main():
+        async with open_pipeline(cfg, target, draft, set(tokenizer(target).eos_ids)) as pipe:
+            for at in (1, 1, 1, 2, 1, 3, 2, 2, 1):  # cancelled at its at-th commit, some right after the prefill
+                with trio.fail_after(60), trio.CancelScope() as scope:
+                    commits = 0
+
+                    async def cancel_at(_):
+                        nonlocal commits
+                        commits += 1
+                        if commits == at:
+                            scope.cancel()
+                        return False
+
+                    await pipe.generate(ids, TOKENS, SamplingParams(), cancel_at)
+                assert scope.cancelled_caught
+            with trio.fail_after(60):
+                seen["toks"] = (await pipe.generate(ids, TOKENS, SamplingParams(), lambda _: trio.sleep(0)))[0]
+            seen["holding"] = set(pipe.verifier.taken)
+
+    trio.run(main)
+    assert seen["toks"] == ar_tokens
+    assert seen["holding"] == set()
+
+
+def test_passes_that_outlive_their_cancelled_requests_leave_the_pipeline_serving_exactly(tiny_bundles, ar_tokens):
+    """An abort that comes too late (after the pass's last layer) lets the pass commit: its commit
+    and stats wait unread. Dropping the commit alone left the stats in their channel, and a second
+    such request held the acceptor in a send while the driver waited for the next commit."""
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(context=CONTEXT, dram_budget=_min_budget(target, draft, "lever:16"),
+                       flash_bandwidth=20e6).with_mode("lever:16")
+    seen = {}
+
+    class TooLate:  # every abort comes after its pass is done
+        def send_nowait(self, msg):
+            pass
+
+    async def main():
+        async with open_pipeline(cfg, target, draft, set(tokenizer(target).eos_ids)) as pipe:
+            pipe.abort_send = TooLate()
+
+            async def emit(_):
+                return False
+
+            for delay in (0.05, 0.12, 0.2, 0.07, 0.15, 0.1):  # inside a pass of the throttled reads
+                with trio.fail_after(60), trio.move_on_after(delay):
+                    await pipe.generate(ids, TOKENS, SamplingParams(), emit)
+            with trio.fail_after(60):
+                seen["toks"] = (await pipe.generate(ids, TOKENS, SamplingParams(), emit))[0]
+            seen["stale"] = pipe.stale
+
+    trio.run(main)
+    assert seen["toks"] == ar_tokens
+    assert seen["stale"] > 0  # the cancelled requests' answers did come, and were dropped
+
+
+def test_a_passs_reads_and_waits_are_measured_inside_the_decode_passes(tiny_bundles):
+    """The prefill reads every streamed layer once: its reads are the request's (``io_s``), not the
+    passes' (``decode_io_s``, what ``io_s_per_pass`` and the bench's pipeline bound divide), and the
+    first pass's time includes its wait for the draft drafted beside the prefill."""
+    target, draft = tiny_bundles
+    ids = tokenizer(target).encode(PROMPT)
+    cfg = EngineConfig(context=CONTEXT, dram_budget=_min_budget(target, draft, "lever:16"),
+                       flash_bandwidth=20e6).with_mode("lever:16")  # reads bound every pass
+    _, stats, _ = trio.run(generate, cfg, target, draft, ids)
+    per_pass_read = stats["decode_io_s"] / stats["passes"]
+    assert stats["io_s"] - stats["decode_io_s"] > 0.5 * per_pass_read  # the prefill read about a pass's worth
+    assert stats["io_s_per_pass"] == pytest.approx(per_pass_read)
+    assert stats["decode_io_s"] <= 1.02 * stats["pass_s"]  # a pass's reads lie inside the passes
+    assert stats["draft_wait_s"] <= stats["pass_s"]
+
+
 def test_sampled_generation_is_reproducible_and_differs_from_greedy(tiny_bundles, ar_tokens):
     target, draft = tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
