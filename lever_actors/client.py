@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 
 SOCKET_NAME = "lever.sock"
 STATUS_FIELDS = {"pid": int, "socket": str, "protocol": list, "version": str, "started_at": str}
-_STREAM_BUFFER = 256          # token chunks buffered per stream before the reader waits
 _MAX_RECEIVE_BYTES = 64 << 20
 _CLOSE_TIMEOUT_S = 5.0
 
@@ -188,12 +188,15 @@ class GenerateStream:
         self.request_id = request_id
         self.result: GenerateResult | None = None
         self._client = client
-        self._send, self._recv = trio.open_memory_channel[Any](_STREAM_BUFFER)
+        # Unbounded on purpose: one task reads every reply of the connection, so a stream its
+        # caller does not read must not make it wait (every other call would wait behind it).
+        # The daemon bounds a stream anyway: at most max_tokens chunks and one result.
+        self._send, self._recv = trio.open_memory_channel[Any](math.inf)
         self._finished = False
 
     async def _deliver(self, item: Any) -> None:
         try:
-            await self._send.send(item)
+            self._send.send_nowait(item)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the consumer left; what it no longer wants is dropped
 

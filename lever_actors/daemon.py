@@ -475,13 +475,17 @@ class Daemon:
         the prompt's token count when the caller already has it (tokenizing runs on the event loop).
 
         Raises:
-            RpcError: ``cancelled`` while shutting down, ``context_overflow`` with both token
-                counts, ``busy`` when the queue is full.
+            RpcError: ``cancelled`` while shutting down, ``invalid_params`` for messages the chat
+                template refuses, ``context_overflow`` with both token counts, ``busy`` when the
+                queue is full.
         """
         if self.stopping:
             raise RpcError(ErrorCode.CANCELLED, "the daemon is shutting down", request_id)
         if n_prompt is None:
-            n_prompt = self.backend.count_prompt_tokens(params)
+            try:
+                n_prompt = self.backend.count_prompt_tokens(params)
+            except ValueError as exc:  # the chat template refused the messages: the caller's mistake
+                raise RpcError(ErrorCode.INVALID_PARAMS, str(exc), request_id) from None
         if n_prompt + params.max_tokens > self.context_length:
             raise RpcError(ErrorCode.CONTEXT_OVERFLOW,
                            f"the prompt is {n_prompt} tokens and max_tokens is {params.max_tokens}, "

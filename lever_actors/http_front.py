@@ -149,11 +149,12 @@ class HttpFront:
         self._ids += 1
         conn_id = self._ids  # this connection's, whatever later connections do to the counter
         if len(self.connections) >= self.config.max_connections:
-            with trio.move_on_after(1):
+            with trio.move_on_after(2):
                 conn = _HttpConnection(self, stream, conn_id)
                 await conn.send_error(api.ApiError(
                     503, f"too many connections (max {self.config.max_connections})",
                     code="too_many_connections", retry_after=1), close=True)
+                await conn._linger()  # the request is unread: closing at once would reset the answer
             await trio.aclose_forcefully(stream)
             return
         with trio.CancelScope() as scope:
@@ -225,10 +226,17 @@ class _HttpConnection:
         self.config = front.config
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.config.max_header_bytes)
         self.origin: str | None = None
+        self.began: float | None = None  # when the first bytes of the request being read arrived
 
     # -- reading ------------------------------------------------------------------------
 
-    async def _next_event(self, deadline: float) -> Any:
+    async def _next_event(self, deadline: float, *, head: bool = False) -> Any:
+        """h11's next event, or None once ``deadline`` passes.
+
+        ``head``: between requests, where ``deadline`` is the idle one. Once a request's first
+        bytes arrive its deadline is ``request_timeout_s`` from then (:attr:`began`), and a head
+        still incomplete at it is a 408, not an idle close.
+        """
         while True:
             event = self.h11.next_event()
             if event is not h11.NEED_DATA:
@@ -240,18 +248,25 @@ class _HttpConnection:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     raise ClientGone from None
             if data is None:
+                if head and self.began is not None:
+                    raise _request_timeout(self.config)
                 return None
+            if head and self.began is None and data:
+                self.began = trio.current_time()
+                deadline = self.began + self.config.request_timeout_s
             self.h11.receive_data(data)
 
     async def run(self) -> None:
         c = self.config
         while True:
             idle_deadline = trio.current_time() + c.keepalive_timeout_s
+            self.began = None
             try:
-                event = await self._next_event(idle_deadline)
+                event = await self._next_event(idle_deadline, head=True)
                 if event is None or isinstance(event, h11.ConnectionClosed):
                     return  # idle too long, or closed between requests: nothing to answer
-                deadline = trio.current_time() + c.request_timeout_s
+                # a request sent early (pipelined) begins now, when it is read
+                deadline = (self.began or trio.current_time()) + c.request_timeout_s
                 body = await self._read_body(event, deadline)
             except h11.RemoteProtocolError as exc:
                 status = exc.error_status_hint if exc.error_status_hint in (400, 413, 431) else 400
@@ -299,8 +314,7 @@ class _HttpConnection:
         while True:
             event = await self._next_event(deadline)
             if event is None:
-                raise api.ApiError(408, f"the request was not complete {c.request_timeout_s} s "
-                                        f"after it began", code="request_timeout")
+                raise _request_timeout(c)
             if isinstance(event, h11.EndOfMessage):
                 return b"".join(parts)
             if isinstance(event, h11.ConnectionClosed):
@@ -433,15 +447,15 @@ class _HttpConnection:
                                 temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                 stop=req.stop, mode=None, cache_prompt=req.cache_prompt)
         n_prompt = None
-        if req.max_tokens is None:  # the API's default: whatever room the context leaves
-            n_prompt = d.backend.count_prompt_tokens(params)
-            params = replace(params, max_tokens=max(1, min(d.config.max_tokens, d.context_length - n_prompt)))
         try:
+            if req.max_tokens is None:  # the API's default: whatever room the context leaves
+                n_prompt = d.backend.count_prompt_tokens(params)
+                params = replace(params, max_tokens=max(1, min(d.config.max_tokens, d.context_length - n_prompt)))
             return d.admit(exchange, 0, params, n_prompt)
         except RpcError as exc:
             d.counters["rejected_busy" if exc.code == ErrorCode.BUSY else "rejected_invalid"] += 1
             err = _api_error(exc.code, exc.message)
-            if exc.code == ErrorCode.CONTEXT_OVERFLOW:  # as OpenAI names it: the input that is too long
+            if exc.code in (ErrorCode.CONTEXT_OVERFLOW, ErrorCode.INVALID_PARAMS):  # the input too long or refused
                 err.param = "messages" if req.messages is not None else "prompt"
             raise err from None
         except ValueError as exc:  # the chat template refused the messages
@@ -486,9 +500,14 @@ class _HttpConnection:
         """While the job runs, a read that ends means the client left: cancel at once.
 
         A client that sends its next request early (pipelining) is not gone: the bytes are kept
-        for h11. A half-close counts as leaving, as for every HTTP server that streams.
+        for h11, up to one request's limits. Past them this stops reading (TCP pushes back on the
+        client) until the answer is sent; h11 only measures a request when it is parsed, after.
+        A half-close counts as leaving, as for every HTTP server that streams.
         """
+        kept, limit = 0, self.config.max_header_bytes + self.config.max_body_bytes
         while True:
+            if kept > limit:
+                await trio.sleep_forever()
             try:
                 data = await self.stream.receive_some(_RECEIVE_CHUNK)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -501,6 +520,7 @@ class _HttpConnection:
                     log.info("http conn=%d: client disconnected; cancelling its request", self.id)
                     scope.cancel()
                 return
+            kept += len(data)
             try:
                 self.h11.receive_data(data)
             except RuntimeError:  # h11 takes no more input after a close: treat as gone
@@ -562,6 +582,11 @@ def _header(request: h11.Request, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+def _request_timeout(c: HttpConfig) -> api.ApiError:
+    return api.ApiError(408, f"the request was not complete {c.request_timeout_s} s after it began",
+                        code="request_timeout")
 
 
 def _api_error(code: ErrorCode, message: str) -> api.ApiError:

@@ -37,7 +37,8 @@ Endpoints
     into a stop string), the last choice chunk carries ``finish_reason`` and ``timings``. With
     ``include_usage`` one more chunk follows with ``"choices": []`` and ``usage``.
 ``GET /v1/models``   ``{"object": "list", "data": [{"id", "object": "model", "owned_by"}]}``:
-    the target first (the servable model), then the draft.
+    the target first (the servable model), then the draft (listed, not servable: a request
+    naming it is a 404 ``model_not_found``).
 ``GET /health``      200 ``{"status": "ok"}`` when ready, 503 ``{"status": "loading"}`` before.
 ``GET /metrics``     Prometheus text exposition format.
 
@@ -199,16 +200,17 @@ def check_completion(raw: bytes, *, chat: bool, model_ids: tuple[str, ...],
                      max_tokens_limit: int) -> CompletionRequest:
     """Parse and check one completions (``chat=False``) or chat completions body.
 
-    ``model_ids`` are the names a request may give; the first is the one served. Without
+    ``model_ids`` are the names ``/v1/models`` lists; the first is the one served, the only one a
+    request may name. Without
     ``max_tokens`` the request's ``max_tokens`` is None: as in the OpenAI API, the answer may take
     whatever room the context leaves (the server fills it in once the prompt is counted).
 
     Raises:
-        ApiError: 400 naming the first bad or unsupported parameter; 404 for an unknown model.
+        ApiError: 400 naming the first bad or unsupported parameter; 404 for a model not served.
     """
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, a too-long integer, nesting too deep
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
@@ -222,9 +224,11 @@ def check_completion(raw: bytes, *, chat: bool, model_ids: tuple[str, ...],
         if name not in _COMMON and name not in own and name not in INERT:
             raise ApiError(400, f"unknown parameter {name!r}", param=name, code="unknown_parameter")
     model = body.get("model")
-    if model is not None and model not in model_ids:
-        raise ApiError(404, f"model {model!r} is not served here; GET /v1/models lists "
-                            f"{', '.join(model_ids)}", param="model", code="model_not_found")
+    if model is not None and model != model_ids[0]:
+        # the draft is listed, but only proposes tokens: naming it must not quietly get the target
+        why = "is the draft model, which only proposes tokens" if model in model_ids else "is not served here"
+        raise ApiError(404, f"model {model!r} {why}; this server generates with {model_ids[0]!r} "
+                            f"(GET /v1/models lists {', '.join(model_ids)})", param="model", code="model_not_found")
     if chat:
         messages, prompt = _messages(body.get("messages")), None
     else:

@@ -69,7 +69,7 @@ Methods
 max_tokens?: int = 128, temperature?: float = 0.0, top_p?: float = 1.0,
 seed?: int | nil, stop?: [str] = [], mode?: str | nil, cache_prompt?: bool = true}
     Exactly one of ``prompt`` (non-empty) and ``messages`` (1 to 1024
-    entries; non-empty ``role``) is required. Ranges: ``1 <= max_tokens <=
+    entries; ``role`` one of system, user, assistant) is required. Ranges: ``1 <= max_tokens <=
     limits.max_tokens``; ``0 <= temperature <= 2``; ``0 < top_p <= 1``;
     ``0 <= seed < 2**64`` (a sampled request without one gets a fresh
     random seed; greedy ignores it); at most 16 ``stop`` strings of 1 to 256
@@ -438,6 +438,9 @@ def check_request_id(request: Request, *, required: bool) -> int | None:
     return value
 
 
+CHAT_ROLES = ("system", "user", "assistant")  # what the chat template renders
+
+
 def _check_messages(p: _Params, value: Any) -> list[dict]:
     if not isinstance(value, (list, tuple)) or not 1 <= len(value) <= MAX_MESSAGES:
         raise p.error(f"messages must be an array of 1 to {MAX_MESSAGES} maps")
@@ -445,8 +448,8 @@ def _check_messages(p: _Params, value: Any) -> list[dict]:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or set(m) != {"role", "content"}:
             raise p.error(f"messages[{i}] must be a map with exactly role and content")
-        if not isinstance(m["role"], str) or not m["role"]:
-            raise p.error(f"messages[{i}].role must be a non-empty string")
+        if m["role"] not in CHAT_ROLES:
+            raise p.error(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
         if not isinstance(m["content"], str):
             raise p.error(f"messages[{i}].content must be a string")
         out.append({"role": m["role"], "content": m["content"]})

@@ -142,6 +142,21 @@ async def test_leaving_a_stream_early_cancels_it_on_the_daemon(tmp_path):
 
 
 @trio_autojump
+async def test_a_stream_nobody_reads_does_not_hold_up_the_clients_other_calls(tmp_path):
+    """One task reads every reply of a connection: a stream left unread past any buffer size
+    must not make it wait, or every later call on the client waits for ever."""
+    async with running_daemon(tmp_path / "d.sock"), open_client(tmp_path / "d.sock") as client:
+        s = await client.start_stream("unread", max_tokens=1000)
+        await trio.sleep(60)  # the whole answer has arrived, unread
+        with trio.fail_after(5):
+            assert (await client.generate("after", max_tokens=3)).finish_reason == "length"
+            await client.stats()
+        chunks = [chunk async for chunk in s]
+        assert s.result.finish_reason == "length"
+        assert sum(len(c.token_ids) for c in chunks) == 1000
+
+
+@trio_autojump
 async def test_explicit_cancel_returns_the_partial_result(tmp_path):
     async with running_daemon(tmp_path / "d.sock"), open_client(tmp_path / "d.sock") as client:
         s = await client.start_stream("endless", max_tokens=4000)

@@ -252,6 +252,7 @@ BAD_REQUESTS = [
     ([0, 1, "generate", [{"prompt": "a", "max_token": 5}]], "invalid_params", 1, "max_token"),
     ([0, 1, "generate", [{"messages": [{"role": "user"}]}]], "invalid_params", 1, "messages[0]"),
     ([0, 1, "generate", [{"messages": [{"role": "", "content": "x"}]}]], "invalid_params", 1, "role"),
+    ([0, 1, "generate", [{"messages": [{"role": "tool", "content": "x"}]}]], "invalid_params", 1, "'tool'"),
     ([0, 1, "cancel", [{}]], "invalid_params", 1, "request_id"),
     ([0, 1, "cancel", [{"request_id": "3"}]], "invalid_params", 1, "request_id"),
     ([0, 1, "stats", [{"request_id": 12345}]], "invalid_params", 1, "12345"),
@@ -286,6 +287,20 @@ async def test_duplicate_in_flight_msgid_is_refused(tmp_path):
         while msg[0] != 1:
             msg = await conn.receive()
         assert msg[2]["code"] == "invalid_request" and "already in flight" in msg[2]["message"]
+
+
+class TemplateRefusingBackend(FakeBackend):
+    def count_prompt_tokens(self, params):
+        raise ValueError("messages[0]: the template refuses this")
+
+
+@trio_autojump
+async def test_messages_the_chat_template_refuses_are_the_callers_error_not_internal(tmp_path):
+    async with running_daemon(tmp_path / "d.sock", TemplateRefusingBackend()) as daemon:
+        conn = await RawConnection.open(tmp_path / "d.sock")
+        _, reply = await conn.request(1, "generate", {"messages": [{"role": "user", "content": "x"}]})
+        assert reply[2]["code"] == "invalid_params" and "template refuses" in reply[2]["message"]
+        assert daemon.stats()["internal_errors"] == 0
 
 
 @trio_autojump

@@ -186,6 +186,9 @@ def test_curl_streams_server_sent_events(server):
     (json.dumps({"prompt": PROMPT, "stop": [1]}).encode(), 400, "stop"),
     (json.dumps({"prompt": PROMPT, "cache_prompt": "yes"}).encode(), 400, "cache_prompt"),
     (json.dumps({"prompt": PROMPT, "model": "gpt-4"}).encode(), 404, "model"),
+    (json.dumps({"prompt": PROMPT, "model": "fake-draft"}).encode(), 404, "model"),  # listed, not served
+    (b"[" * 5000, 400, None),  # nesting past Python's recursion limit
+    (b'{"max_tokens": ' + b"1" * 5000 + b"}", 400, None),  # an integer past Python's digit limit
 ])
 def test_bad_completion_bodies_get_openai_shaped_errors(server, body, status, param):
     r = httpx.post(server.url + "/v1/completions", content=body,
@@ -268,12 +271,59 @@ def test_a_slow_loris_client_is_timed_out(server):
     assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 5  # answered, then closed
 
 
+def test_a_head_that_stops_halfway_is_timed_out_with_408(server):
+    """The request deadline (1.5 s here) runs from a request's first byte, not the idle one (30 s)."""
+    t0 = time.monotonic()
+    reply = server.raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    assert reply.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in reply
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_connection_over_the_limit_gets_its_503(tmp_path, servers):
+    """Refused at once, with the client's request still unread: the answer must not be lost to a reset."""
+    s = launch(tmp_path, "--max-connections", "1")
+    servers.append(s)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    with socket.create_connection((s.host, s.port), timeout=10) as held:
+        held.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert held.recv(65536).startswith(b"HTTP/1.1 200")  # served, and kept alive: one connection
+        for _ in range(5):
+            reply = s.raw(request)
+            assert reply.startswith(b"HTTP/1.1 503") and b'"too_many_connections"' in reply, reply[:80]
+            assert b"retry-after: 1" in reply.lower()
+
+
 def test_keep_alive_serves_several_requests_on_one_connection(server):
     with httpx.Client(base_url=server.url) as c:
         texts = [c.post("/v1/completions", json={"prompt": f"def f{i}():", "max_tokens": 4,
                                                  "temperature": 0}).json()["choices"][0]["text"]
                  for i in range(3)]
     assert texts == [expected_tokens(params(f"def f{i}():", max_tokens=4))[1] for i in range(3)]
+
+
+def test_a_client_that_floods_while_its_answer_streams_is_pushed_back(tmp_path, servers):
+    """Bytes sent while a job runs are kept for h11 (pipelining), but only up to one request's
+    limits: past them the daemon stops reading and TCP pushes back, instead of buffering all."""
+    s = launch(tmp_path, delay="0.05")
+    servers.append(s)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((s.host, s.port), timeout=10) as conn:
+        conn.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")  # streaming: the job runs
+        conn.settimeout(2.0)
+        flood, sent = b"x" * (1 << 20), 0
+        try:
+            while sent < 64 << 20:
+                sent += conn.send(flood)
+        except socket.timeout:
+            pass
+    # the limit (1 MiB body + 16 KiB head) and the two sockets' kernel buffers, not 64 MiB
+    assert sent < 40 << 20, f"{sent >> 20} MiB were taken in while the answer streamed"
+    wait_until(lambda: all_buffers_free(s))
+    assert httpx.get(s.url + "/health").status_code == 200
 
 
 # --- cancellation by disconnect ----------------------------------------------------------
@@ -312,7 +362,8 @@ def test_a_closed_connection_cancels_and_is_logged_only_while_its_request_runs(c
         async def receive_some(self, max_bytes):
             return b""
 
-    conn = _HttpConnection(SimpleNamespace(config=SimpleNamespace(max_header_bytes=8192)), Closed(), 7)
+    conn = _HttpConnection(SimpleNamespace(config=SimpleNamespace(max_header_bytes=8192, max_body_bytes=1 << 20)),
+                           Closed(), 7)
 
     async def watch():
         with trio.CancelScope() as scope:
