@@ -70,32 +70,34 @@ class PrefixStore:
                     best, best_n = key, n
         e = self.entries.get(best)
         if kv.tokens is not None and kv.length - live >= MIN_STORED_ROWS:
-            self.store(kv)  # (this may evict ``e`` or drop it as superseded: it is still copied from below)
+            self.store(kv, keep=best)  # never at the cost of ``e``: copied from below, it would outlive its eviction
         if e is None:
             kv.truncate(live)
             return live
-        if best in self.entries:
-            self.entries.move_to_end(best)
+        self.entries.move_to_end(best)
         kv.k[:, :, :best_n] = e.k[:, :, :best_n]
         kv.v[:, :, :best_n] = e.v[:, :, :best_n]
         kv.length, kv.tokens = best_n, list(e.tokens[:best_n])
         self.restored += 1
         return best_n
 
-    def store(self, kv: KVCache) -> bool:
-        """Copy the live sequence of ``kv`` in (evicting the least recently used); False if it cannot fit."""
+    def store(self, kv: KVCache, keep: int | None = None) -> bool:
+        """Copy the live sequence of ``kv`` in (evicting the least recently used, never entry ``keep``);
+        False if it cannot fit. The cap holds at every moment, not only between calls."""
         n = kv.length
         tokens = tuple(kv.tokens[:n]) if kv.tokens is not None else None
-        if tokens is None or n < MIN_STORED_ROWS or n * row_bytes(kv) > self.capacity:
+        need = n * row_bytes(kv)
+        kept = self.entries[keep].nbytes if keep in self.entries else 0
+        if tokens is None or n < MIN_STORED_ROWS or kept + need > self.capacity:
             return False
         for key, e in list(self.entries.items()):  # a stored prefix of this sequence is superseded by it
-            if len(e.tokens) <= n and tokens[:len(e.tokens)] == e.tokens:
+            if key != keep and len(e.tokens) <= n and tokens[:len(e.tokens)] == e.tokens:
                 del self.entries[key]
             elif len(e.tokens) > n and e.tokens[:n] == tokens:
                 self.entries.move_to_end(key)
                 return True  # already held, by a longer copy
-        while self.entries and self.nbytes + n * row_bytes(kv) > self.capacity:
-            self.entries.popitem(last=False)
+        while self.nbytes + need > self.capacity:  # ends: ``keep`` and the copy fit together
+            del self.entries[next(k for k in self.entries if k != keep)]
         self.entries[self._next] = StoredPrefix(tokens, kv.k[:, :, :n].copy(), kv.v[:, :, :n].copy())
         self._next += 1
         return True

@@ -94,9 +94,9 @@ def test_kv_rows_know_their_tokens_and_reuse_stops_short_of_the_last(first, seco
 
 # ---------------------------------------------------------------- several conversations (PrefixStore)
 
-def _kv_with(tokens, context=96):
+def _kv_with(tokens, context=96, dim=3):
     """A KV cache whose row i is filled with a value derived from tokens[:i+1] (as real rows depend on their prefix)."""
-    kv = KVCache(2, 1, context, 3, np.float16)
+    kv = KVCache(2, 1, context, dim, np.float16)
     for i in range(len(tokens)):
         kv.k[:, :, i] = hash(tuple(tokens[:i + 1])) % 1000
         kv.v[:, :, i] = -(hash(tuple(tokens[:i + 1])) % 997)
@@ -124,6 +124,33 @@ def test_a_conversation_interrupted_by_another_gets_its_rows_back():
     assert kv.tokens == a and _rows_match_their_prefix(kv) and store.restored == 1
     assert any(e.tokens == tuple(b) for e in store.entries.values())  # and B was kept in turn
     assert store.resume(kv, a + [3, 4], reuse=False) == 0 and kv.length == 0  # opting out keeps nothing
+
+
+def test_resuming_from_a_copy_never_holds_more_than_the_cap():
+    """Two sequences that do not fit the cap together: the live one is not copied in at the cost of the
+    copy being resumed from (that copy, still read from, would have outlived its eviction: about 1.7x
+    the cap at once). Traced, the resume allocates no copy."""
+    import tracemalloc
+
+    from lever_actors.prefix_cache import PrefixStore, row_bytes
+
+    x, y = [1] * 100, [2] * 100
+    kv = _kv_with(x, context=128, dim=512)  # 4 KiB a row: a copy would stand out of the traced noise
+    store = PrefixStore(capacity=150 * row_bytes(kv))
+    assert store.store(kv) and store.nbytes == 100 * row_bytes(kv)
+    fresh = _kv_with(y, context=128, dim=512)  # another conversation is live now
+    kv.k[:], kv.v[:], kv.length, kv.tokens = fresh.k, fresh.v, fresh.length, list(y)
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        assert store.resume(kv, x + [5]) == 100  # x again, from its copy
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 * row_bytes(kv), peak
+    assert kv.tokens == x and _rows_match_their_prefix(kv)
+    assert [e.tokens for e in store.entries.values()] == [tuple(x)] and store.nbytes <= store.capacity
 
 
 # prompts like conversations: one of a few openings (longer than a stored sequence's minimum), then a tail
