@@ -254,7 +254,7 @@ class NpuVerifier:
         except FlashFault as exc:  # a row read back changed: this request fails, the verifier goes on
             return self._lost_pass(plan, acc, exc)
         if not plan.prefill and plan.bucket > n:
-            x, feeds_list, slots_list = self._pad(x, feeds_list, slots_list, n, plan.bucket - n)
+            x, feeds_list, slots_list = self._pad(x, feeds_list, slots_list, plan.bucket, plan.bucket - n)
         prune = None
         if plan.exit_layers and not plan.prefill and self.exits_send is not None:
             prune = {"plan": plan, "alive": np.ones(n, bool), "pruned": []}
@@ -402,25 +402,29 @@ class NpuVerifier:
         sel = np.flatnonzero(keep[ids])  # rows (within the current ones) that go on; ghost rows are dropped
         feeds = {k: (v[:, sel] if k == "kv_index" else v[sel]) for k, v in feeds_list[0].items()}
         x, feeds_list, slots_list = np.ascontiguousarray(x[sel]), [feeds], [slots_list[0][sel]]
-        # back to a static shape (the survivors' bucket); ghost slots follow all of the plan's nodes
-        x, feeds_list, slots_list = self._pad(x, feeds_list, slots_list, len(plan.tokens),
+        # back to a static shape (the survivors' bucket); ghosts take the pruned nodes' slots, then the padding's
+        x, feeds_list, slots_list = self._pad(x, feeds_list, slots_list, plan.bucket,
                                               bucket_for(len(sel), self.buckets) - len(sel))
         return x, feeds_list, slots_list, np.arange(len(sel))
 
-    def _pad(self, x, feeds_list, slots_list, n_plan: int, ghosts: int):
-        """Append ``ghosts`` rows that copy the root (row 0) into scratch slots after the plan's nodes.
+    def _pad(self, x, feeds_list, slots_list, room: int, ghosts: int):
+        """Append ``ghosts`` rows that copy the root (row 0) into scratch slots: the first of the
+        pass's ``room`` slots (its bucket, the slack planned past the committed rows) that no row
+        of this call holds: after the plan's nodes, or a pruned node's (there are always enough:
+        the survivors' bucket is no larger than the plan's).
 
         A ghost attends exactly as the root does and writes its K/V only into its own
-        slot, which no node reads and no commit keeps; its outputs are never used
-        (the head computes real rows only), so padding changes no number.
+        slot, which no node reads (a pruned node's descendants are pruned too) and no commit
+        keeps; its outputs are never used (the head computes real rows only), so padding
+        changes no number.
         """
         if ghosts <= 0:
             self._chunks = [(0, len(x))]
             return x, feeds_list, slots_list
         self.padded_rows += ghosts
         feeds, slots = feeds_list[0], slots_list[0]
-        ghost_slots = self.base + n_plan + np.arange(ghosts)
-        if np.intersect1d(ghost_slots, slots).size or ghost_slots[-1] >= self.m.kv.context:
+        ghost_slots = np.setdiff1d(self.base + np.arange(room), slots)[:ghosts]
+        if len(ghost_slots) < ghosts or ghost_slots[-1] >= self.m.kv.context:
             raise RuntimeError(f"ghost slots {ghost_slots[0]}..{ghost_slots[-1]} would overwrite a node's K/V "
                                f"or leave the cache of {self.m.kv.context}")
         pick = np.zeros(ghosts, np.int64)  # every ghost is a copy of row 0

@@ -308,3 +308,29 @@ def test_calibration_tool_refuses_bad_input(args, capsys):
     with pytest.raises(SystemExit) as info:
         main(args)
     assert info.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 64), st.data())
+def test_ghost_rows_after_a_prune_stay_inside_the_passs_bucket(n, data):
+    """After a prune the survivors are padded to their own bucket. The ghosts take the pruned nodes'
+    slots and then the plan's padding, never a slot past the plan's bucket: at the end of the
+    context (the slack planned is the plan's bucket) that slot does not exist."""
+    from actors.npu_verify import NpuVerifier
+    from lever_actors.planner import bucket_for
+
+    buckets = (1, 2, 4, 8, 16, 32, 64)
+    room = bucket_for(n, buckets)
+    pruned = data.draw(st.sets(st.integers(1, n - 1), max_size=n - 1))  # the root survives every prune
+    nodes = np.array([i for i in range(n) if i not in pruned])
+    v = NpuVerifier.__new__(NpuVerifier)
+    v.base, v.padded_rows = 100, 0
+    v.m = type("M", (), {"kv": type("KV", (), {"context": 100 + room})()})()  # the pass ends the context
+    slots = v.base + nodes
+    feeds = [{"kv_index": np.stack([np.zeros(len(nodes), np.int64), slots], -1)[None], "pos": nodes.copy()}]
+    ghosts = bucket_for(len(nodes), buckets) - len(nodes)
+    x, feeds, slots_list = v._pad(np.zeros((len(nodes), 4)), feeds, [slots], room, ghosts)
+    taken = slots_list[0]
+    assert len(x) == len(taken) == bucket_for(len(nodes), buckets)
+    assert len(set(taken.tolist())) == len(taken) and taken.max() < v.base + room
+    assert (feeds[0]["kv_index"][0, :, 1] == taken).all()
