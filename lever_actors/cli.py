@@ -106,9 +106,9 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +no-auto-schedule / +no-turns-veto / +fixed-tree / +no-prune / +no-vocab-trim / +no-draft-q4 / +no-adaptive-depth / +no-ngram / "
-                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline / +no-coupled (default "
-                        "resident-ar; with --socket, "
-                        "the daemon's mode)")
+                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline / +no-coupled "
+                        + (f"(default {default_mode}, the fastest mode measured)" if default_mode else
+                           "(default resident-ar; with --socket, the daemon's mode)"))
     g.add_argument("--dram-budget", default=None, metavar="SIZE",
                    help="DRAM budget such as 1GiB or 800MB, 'unlimited', or 'auto' (the enclosing cgroup's memory "
                         "limit, else a share of the available memory); what does not fit streams from flash "
@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_arguments(s)
     except ImportError:  # daemon not built into this checkout
         pass
-    _add_runtime_args(s, default_mode="flash-chain:8")
+    _add_runtime_args(s, default_mode="lever")
     _add_model_args(s)
     return ap
 
