@@ -194,7 +194,7 @@ class GenerateStream:
         self._send, self._recv = trio.open_memory_channel[Any](math.inf)
         self._finished = False
 
-    async def _deliver(self, item: Any) -> None:
+    def _deliver(self, item: Any) -> None:
         try:
             self._send.send_nowait(item)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -414,7 +414,7 @@ class Client:
                 self._daemon_error = error   # connection-level; the daemon closes next
                 return
             if parsed.msgid in self._streams:
-                await self._streams[parsed.msgid]._deliver(error or parsed.result)
+                self._streams[parsed.msgid]._deliver(error or parsed.result)
             elif parsed.msgid in self._pending:
                 pending = self._pending[parsed.msgid]
                 pending.error, pending.result = error, parsed.result
@@ -423,7 +423,7 @@ class Client:
             if len(parsed.params) != 3 or parsed.params[0] not in self._streams:
                 return
             request_id, text, token_ids = parsed.params
-            await self._streams[request_id]._deliver(Chunk(text, list(token_ids)))
+            self._streams[request_id]._deliver(Chunk(text, list(token_ids)))
 
 
 def _only_exception(group: BaseExceptionGroup) -> BaseException:
