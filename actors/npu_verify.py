@@ -334,7 +334,7 @@ class NpuVerifier:
             self._take_grants(plan)
             if stage == self.m.n_layer and self.head_pinned:  # the whole head in one lane call
                 t0 = time.perf_counter()
-                scores = await self.lanes.run("npu", self._run_head, x, feeds_list, slots_list, rows, plan.want_logits)
+                scores = await self._head(x, feeds_list, slots_list, rows, plan)
                 acc["compute_s"] += time.perf_counter() - t0
                 break
             msg = None
@@ -368,16 +368,23 @@ class NpuVerifier:
     def head_pinned(self) -> bool:
         return all(stage in self.pinned for stage in range(self.m.n_layer, self.stage_count))
 
-    def _run_head(self, x, feeds_list, slots_list, rows, want_logits: bool) -> HeadScores:
-        """Every slice of a pinned LM head, in one call on the lane's thread: the slices need no reads,
-        and a thread round trip per slice (7 for the 1.5B target) sat at the end of every pass."""
-        scores = None
-        for stage in range(self.m.n_layer, self.stage_count):
-            y = self._run_stage(stage, self.pinned[stage], x, feeds_list, slots_list, rows)
-            if scores is None:
-                scores = HeadScores(len(y), self.m.vocab, want_logits)
-            scores.add(y)
+    async def _head(self, x, feeds_list, slots_list, rows, plan: VerifyPlan) -> HeadScores:
+        """A pinned LM head: slice by slice while the drafting lane is still busy, so its threads join
+        as soon as it lends them (it usually finishes its levels ahead during the head), then the rest
+        in one call (a thread round trip per slice, 7 for the 1.5B target, is not free)."""
+        scores = HeadScores(len(rows), self.m.vocab, plan.want_logits)
+        stages = list(range(self.m.n_layer, self.stage_count))
+        while stages:
+            self._take_grants(plan)
+            lent = self.m.lane.threads > self.own_threads or self.grants_recv is None
+            now, stages = (stages, []) if lent else (stages[:1], stages[1:])
+            await self.lanes.run("npu", self._run_head, x, feeds_list, slots_list, rows, now, scores)
         return scores
+
+    def _run_head(self, x, feeds_list, slots_list, rows, stages: list[int], scores: HeadScores) -> None:
+        """Slices ``stages`` of a pinned LM head into ``scores``: they need no reads."""
+        for stage in stages:
+            scores.add(self._run_stage(stage, self.pinned[stage], x, feeds_list, slots_list, rows))
 
     async def _exit(self, stage: int, x, feeds_list, slots_list, prune):
         """Hand the hidden rows to the pruner, then keep only the rows of the nodes it keeps."""

@@ -182,6 +182,68 @@ def test_idle_lanes_lend_their_threads(tiny_bundles, ar_tokens, monkeypatch):
                              "flash-chain:4+no-overlap": 0}
 
 
+@pytest.fixture(scope="module")
+def sliced_target(tiny_gguf, tmp_path_factory) -> Path:
+    """The tiny target with its LM head in three vocabulary slices (the real target's has seven;
+    the tiny one's fits one slice of the usual size)."""
+    from lever_actors import convert as convert_module
+
+    def in_thirds(out, n, row_bytes, layer_bytes, slice_arrays):
+        rows = -(-n // 3)
+        return [out.write(*slice_arrays(lo, min(lo + rows, n))) for lo in range(0, n, rows)]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(convert_module, "_write_head", in_thirds)
+        out = tmp_path_factory.mktemp("sliced")
+        return convert_module.convert(tiny_gguf[0], out / "sliced.bundle", progress=lambda m: None, layout="native")
+
+
+def test_threads_lent_while_the_head_runs_take_its_remaining_slices(sliced_target, tiny_bundles, ar_tokens,
+                                                                     monkeypatch):
+    """The drafter usually finishes its levels ahead during the pinned LM head, which was one call on
+    the lane's own threads. The head now runs slice by slice while nothing is lent, and once threads
+    are lent (the drafter's grant, stood in for here after a pass's first slice) the rest go in one call
+    on them. The tokens do not change (thread counts change no bit)."""
+    from actors.npu_verify import NpuVerifier
+
+    target, draft = sliced_target, tiny_bundles[1]
+    ids = tokenizer(target).encode(PROMPT)
+    calls, own_take, own_head = [], NpuVerifier._take_grants, NpuVerifier._run_head
+
+    def take_grants(self, plan):
+        own_take(self, plan)
+        if calls and calls[-1][0] == plan.step and calls[-1][2] == self.own_threads and not plan.prefill:
+            self._use_threads(self.own_threads + 1)  # lent after the head's first slice of this pass
+
+    def run_head(self, x, feeds_list, slots_list, rows, stages, scores):
+        calls.append((self._plan_step, list(stages), self.m.lane.threads))
+        return own_head(self, x, feeds_list, slots_list, rows, stages, scores)
+
+    verify = NpuVerifier.verify
+
+    async def verify_spy(self, plan):
+        self._plan_step = plan.step
+        return await verify(self, plan)
+
+    monkeypatch.setattr(NpuVerifier, "_take_grants", take_grants)
+    monkeypatch.setattr(NpuVerifier, "_run_head", run_head)
+    monkeypatch.setattr(NpuVerifier, "verify", verify_spy)
+    cfg = EngineConfig(mode="lever", gamma=8, context=CONTEXT, dram_budget=24 * 2**20, draft_threads=1)
+    toks, stats, pipe = trio.run(generate, cfg, target, draft, ids)
+    assert toks == ar_tokens
+    head = list(range(pipe.verifier.m.n_layer, pipe.verifier.stage_count))
+    assert len(head) == 3
+    by_pass = {}
+    for step, stages, threads in calls:
+        by_pass.setdefault(step, []).append((stages, threads))
+    decode = [v for step, v in by_pass.items() if step > 0]
+    assert decode
+    # lent before the head (the drafter's own grant): one call; else the first slice alone on the
+    # lane's own thread, then the rest together on the lent ones
+    assert all(v in ([(head, 2)], [([head[0]], 1), (head[1:], 2)]) for v in decode)
+    assert sum(v == [([head[0]], 1), (head[1:], 2)] for v in decode) >= 2
+
+
 @pytest.mark.parametrize("draft_kind", ["perturbed", "unrelated"])
 def test_steered_drafting_changes_no_token(tiny_bundles, unrelated_draft, ar_tokens, draft_kind, monkeypatch):
     """lever's drafter reads steers between its draft calls: the commit cut (on by default) and, with
