@@ -91,13 +91,18 @@ def spread(n: int, s: int) -> tuple[int, ...]:
 
 
 def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int], head_chunk_bytes: list[int],
-                max_slots: int = 4, in_place: bool = True) -> BudgetPlan:
+                max_slots: int = 4, in_place: bool = True, stream_head: bool = False) -> BudgetPlan:
     """Pin as many target layers as fit, stream the rest, spread through the pass (:func:`spread`).
 
     ``items`` are fixed costs that must be resident (draft, KV caches, activations).
     The LM head is pinned when it fits beside two stream slots; otherwise its
-    vocabulary slices stream after the last layer, like layers. Raises
-    :class:`BudgetError` with the numbers when even streaming everything cannot fit.
+    vocabulary slices stream after the last layer, like layers. With ``stream_head``
+    the head streams whenever a layer would have to, and layers are pinned in its
+    place: about the same bytes read a pass, but a pinned head computes after the
+    last layer with nothing left to read beside it, while streamed slices compute
+    behind the reads of the next ones (lever's trees: a head of 8-12 rows outlasts
+    the read-ahead of two stream slots). Raises :class:`BudgetError` with the
+    numbers when even streaming everything cannot fit.
     """
     from lever_actors.errors import BudgetError
 
@@ -130,6 +135,8 @@ def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int
                 break
         if not streamed and not head_streamed:
             return BudgetPlan(budget, line, tuple(pinned), (), False, 0, 0, tuple(layer_bytes), factor)
+        if stream_head and not head_streamed:
+            continue  # something streams anyway: let the head stream and pin layers in its place
         extra = min(max_slots - MIN_SLOTS, spare // slot)
         return BudgetPlan(budget, line, tuple(pinned), streamed, head_streamed, MIN_SLOTS + extra, slot,
                           tuple(layer_bytes), factor)

@@ -98,6 +98,9 @@ ABLATIONS = (
                    "not by coupled sampling (each position's token is the argmax of log-probabilities plus "
                    "Gumbel noise of the seed and the position, the draft proposing under the same noise, so a "
                    "seed gives the same tokens in every mode and lever plans sampled trees as greedy ones)"),
+    ("no-stream-head", "lever pins the target's LM head when it fits, as the other modes do, instead of streaming "
+                       "it and pinning layers in its place (a pinned head of a tree's rows computes after the last "
+                       "layer with nothing to read beside it; streamed, its slices compute behind the reads)"),
 )
 
 
@@ -106,7 +109,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +no-auto-schedule / +no-turns-veto / +fixed-tree / +no-prune / +no-vocab-trim / +no-draft-q4 / +no-adaptive-depth / +no-ngram / "
-                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline / +no-coupled "
+                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline / +no-coupled / +no-stream-head "
                         + (f"(default {default_mode}, the fastest mode measured)" if default_mode else
                            "(default resident-ar; with --socket, the daemon's mode)"))
     g.add_argument("--dram-budget", default=None, metavar="SIZE",

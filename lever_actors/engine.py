@@ -95,10 +95,12 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 # one more outcome, drafting from the early exit's predicted outcome, drafting ahead until the pass
 # commits, the drafts ahead cut at a node's marginal cost to a pass bound by its reads (not its whole
 # compute), and no level drafted ahead that would outlast the pass; and any sampled mode sampling by
-# speculative rejection, not coupled by Gumbel noise by position
+# speculative rejection, not coupled by Gumbel noise by position; lever pinning its LM head when it
+# fits instead of streaming it and pinning layers in its place
 MODE_FLAGS = ("no-overlap", "no-auto-schedule", "no-turns-veto", "fixed-tree", "no-prune", "no-vocab-trim", "no-draft-q4", "no-adaptive-depth", "no-ngram",
               "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
-              "no-core-lend", "no-calibrated-ahead", "marginal-depth", "level-deadline", "no-coupled")
+              "no-core-lend", "no-calibrated-ahead", "marginal-depth", "level-deadline", "no-coupled",
+              "no-stream-head")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -171,6 +173,7 @@ class EngineConfig:
     marginal_depth: bool = False  # lever: drafts ahead cut at a node's marginal cost (no steady gain)
     calibrated_ahead: bool = True  # lever: drafts ahead also stop where the calibrated acceptance says a level no longer pays
     coupled: bool = True  # sampling: Gumbel noise by position (sampling.py), not rejection sampling
+    stream_head: bool = True  # lever: the LM head streams and layers are pinned in its place (budget.plan_budget)
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
@@ -198,6 +201,7 @@ class EngineConfig:
                        calibrated_ahead=self.calibrated_ahead and "no-calibrated-ahead" not in flags,
                        level_deadline=self.level_deadline or "level-deadline" in flags,
                        coupled=self.coupled and "no-coupled" not in flags,
+                       stream_head=self.stream_head and "no-stream-head" not in flags,
                        budget_source=source)
 
     @classmethod
@@ -237,6 +241,7 @@ class EngineConfig:
             level_deadline=getattr(args, "level_deadline", False),
             calibrated_ahead=not getattr(args, "no_calibrated_ahead", False),
             coupled=not getattr(args, "no_coupled", False),
+            stream_head=not getattr(args, "no_stream_head", False),
             prompt_cache=_prompt_cache(getattr(args, "prompt_cache", None)),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
@@ -282,6 +287,8 @@ class EngineConfig:
             text += "+level-deadline"
         if not self.coupled:
             text += "+no-coupled"
+        if self.mode == "lever" and not self.stream_head:
+            text += "+no-stream-head"
         return text
 
     @property

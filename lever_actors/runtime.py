@@ -149,7 +149,7 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
         # cache takes what they leave: at 768 MiB lever's 7 MiB, about 180 positions of both models)
         items["prompt_cache"] = cfg.prompt_cache
     plan = plan_budget(budget, items, target.layer_bytes(), [r.nbytes for r in target.head_chunks],
-                       in_place=target.layout == "native")
+                       in_place=target.layout == "native", stream_head=cfg.mode == "lever" and cfg.stream_head)
     if budget is not None and cfg.context != TRADE_CONTEXT:  # say what the context length costs
         base_cfg = replace(cfg, context=TRADE_CONTEXT)
         try:

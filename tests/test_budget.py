@@ -16,10 +16,10 @@ MB = 2**20
 @given(budget=st.integers(1, 3000 * MB), layers=st.lists(st.integers(1 * MB, 60 * MB), min_size=1, max_size=40),
        head=st.lists(st.integers(1 * MB, 60 * MB), min_size=1, max_size=10),
        fixed=st.dictionaries(st.sampled_from(["kv", "draft", "act"]), st.integers(0, 800 * MB)),
-       max_slots=st.integers(2, 6), in_place=st.booleans())
-def test_plan_never_exceeds_the_budget(budget, layers, head, fixed, max_slots, in_place):
+       max_slots=st.integers(2, 6), in_place=st.booleans(), stream_head=st.booleans())
+def test_plan_never_exceeds_the_budget(budget, layers, head, fixed, max_slots, in_place, stream_head):
     try:
-        plan = plan_budget(budget, fixed, layers, head, max_slots=max_slots, in_place=in_place)
+        plan = plan_budget(budget, fixed, layers, head, max_slots=max_slots, in_place=in_place, stream_head=stream_head)
     except BudgetError as e:
         assert e.minimum > budget
         assert "raise --dram-budget" in str(e)
@@ -66,6 +66,39 @@ def test_head_streams_only_when_it_does_not_fit(in_place):
     assert not roomy.head_streamed and tight.head_streamed and not tight.pinned
     with pytest.raises(BudgetError):
         plan_budget(int(2 * slot) - MB, {}, layers, head, in_place=in_place)
+
+
+@given(budget=st.integers(1, 3000 * MB), layers=st.lists(st.integers(1 * MB, 60 * MB), min_size=1, max_size=40),
+       head=st.lists(st.integers(1 * MB, 60 * MB), min_size=1, max_size=10),
+       fixed=st.dictionaries(st.sampled_from(["kv", "draft", "act"]), st.integers(0, 800 * MB)))
+def test_a_streamed_head_pins_layers_in_its_place_and_only_when_something_streams(budget, layers, head, fixed):
+    """lever's plan (``stream_head``): where the usual plan pins everything, so does it; where the usual
+    plan streams, the head streams too, and at least as many layers are pinned as in the usual plan."""
+    try:
+        usual = plan_budget(budget, fixed, layers, head)
+    except BudgetError:
+        with pytest.raises(BudgetError):
+            plan_budget(budget, fixed, layers, head, stream_head=True)
+        return
+    plan = plan_budget(budget, fixed, layers, head, stream_head=True)
+    if not (usual.streamed or usual.head_streamed):
+        assert plan == usual
+    else:
+        assert plan.head_streamed and len(plan.pinned) >= len(usual.pinned)
+
+
+def test_lever_streams_the_head_of_the_real_targets_shape_and_pins_six_layers_more():
+    """The 1.5B target at lever's 768 MiB (28 layers of 25-29 MiB, a head of 183 MiB in 7 slices): the
+    usual plan pins the head and 3 layers; streaming the head pins 9, about the same bytes read a pass."""
+    layers = [26341376 if i % 3 else 29990912 for i in range(28)]
+    head = [29683712] * 6 + [13393920]
+    fixed = {"rest": 768 * MB - 183 * MB - 79 * MB - 2 * 29990912 - 5 * MB}  # what the real plan leaves 3 layers
+    usual = plan_budget(768 * MB, fixed, layers, head)
+    plan = plan_budget(768 * MB, fixed, layers, head, stream_head=True)
+    assert not usual.head_streamed and len(usual.pinned) == 3
+    assert plan.head_streamed and len(plan.pinned) == 9
+    read = lambda p: sum(layers[i] for i in p.streamed) + (sum(head) if p.head_streamed else 0)  # noqa: E731
+    assert abs(read(plan) - read(usual)) < 0.05 * read(usual)
 
 
 def test_in_place_layers_pin_more_in_the_same_budget():
