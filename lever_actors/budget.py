@@ -97,11 +97,11 @@ def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int
     ``items`` are fixed costs that must be resident (draft, KV caches, activations).
     The LM head is pinned when it fits beside two stream slots; otherwise its
     vocabulary slices stream after the last layer, like layers. With ``stream_head``
-    the head streams whenever a layer would have to, and layers are pinned in its
-    place: about the same bytes read a pass, but a pinned head computes after the
-    last layer with nothing left to read beside it, while streamed slices compute
-    behind the reads of the next ones (lever's trees: a head of 8-12 rows outlasts
-    the read-ahead of two stream slots). Raises :class:`BudgetError` with the
+    (lever) the head streams instead, and layers are pinned in its place, whenever
+    layers stream anyway and that reads no more than one layer more a pass: a
+    pinned head computes after the last layer with nothing left to read beside it
+    (a tree's 8-12 rows outlast the read-ahead of two stream slots), streamed slices
+    compute behind the reads of the next ones. Raises :class:`BudgetError` with the
     numbers when even streaming everything cannot fit.
     """
     from lever_actors.errors import BudgetError
@@ -113,11 +113,12 @@ def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int
         return BudgetPlan(None, dict(items, lm_head=head_cost), tuple(range(n)), (), False, 0, 0, tuple(layer_bytes), factor)
     biggest = max(list(layer_bytes) + list(head_chunk_bytes), default=0)
     slot = int(biggest * (1.0 if in_place else 1 + PREPACK_FACTOR))
-    for head_streamed in (False, True):
+
+    def plan(head_streamed: bool) -> BudgetPlan | None:
         line = dict(items) if head_streamed else dict(items, lm_head=head_cost)
         spare = budget - sum(line.values()) - MIN_SLOTS * slot
         if spare < 0:
-            continue
+            return None
         fit = 0  # how many layers fit, taken in order (a lower bound on what can be pinned)
         for i in range(n):
             cost = int(layer_bytes[i] * factor)
@@ -135,11 +136,20 @@ def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int
                 break
         if not streamed and not head_streamed:
             return BudgetPlan(budget, line, tuple(pinned), (), False, 0, 0, tuple(layer_bytes), factor)
-        if stream_head and not head_streamed:
-            continue  # something streams anyway: let the head stream and pin layers in its place
         extra = min(max_slots - MIN_SLOTS, spare // slot)
         return BudgetPlan(budget, line, tuple(pinned), streamed, head_streamed, MIN_SLOTS + extra, slot,
                           tuple(layer_bytes), factor)
+
+    def reads(p: BudgetPlan) -> int:  # bytes a pass streams
+        return sum(layer_bytes[i] for i in p.streamed) + (sum(head_chunk_bytes) if p.head_streamed else 0)
+
+    usual = plan(False) or plan(True)
+    if usual is not None and stream_head and usual.streamed and not usual.head_streamed:
+        alt = plan(True)
+        if reads(alt) <= reads(usual) + max(layer_bytes):
+            return alt
+    if usual is not None:
+        return usual
     need = sum(items.values()) + MIN_SLOTS * slot
     mib = lambda v: f"{v / 2**20:,.{1 if v < 100 * 2**20 else 0}f} MiB"  # noqa: E731
     detail = ", ".join(f"{k} {mib(v)}" for k, v in items.items())

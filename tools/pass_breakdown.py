@@ -4,7 +4,8 @@
     python tools/pass_breakdown.py t5.json [t11.json ...] [--long-wait 40]
 
 A decode pass runs from its first ``layer 0`` span to the next pass's. Bound by its reads, it lasts as long as the
-flash lane reads; the rest is flash idle time: the LM head at the end of the pass, the wait for
+flash lane reads; the rest is flash idle time: a pinned LM head at the end of the pass (lever streams
+its head by default: its slices then compute behind the reads, and ``head_ms`` counts them all the same), the wait for
 the next tree (short when the last level drafted ahead is still running, long when the guess
 missed and the tree is drafted after the commit) and what two stream slots of read-ahead cannot
 cover. Prints one line per file and one for all passes; ``--json`` prints the per-pass rows.
