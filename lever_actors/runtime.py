@@ -146,7 +146,7 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
             "use --mode resident-ar or convert the GGUF with --layout native")
     if cfg.prompt_cache and budget is not None:
         # a size asked for is planned before the pinned layers, which make room for it (by default the
-        # cache takes what they leave: at 768 MiB lever's 18 MiB, about 470 positions of both models)
+        # cache takes what they leave: at 768 MiB lever's 18 MiB, about 460 positions of both models)
         items["prompt_cache"] = cfg.prompt_cache
     plan = plan_budget(budget, items, target.layer_bytes(), [r.nbytes for r in target.head_chunks],
                        in_place=target.layout == "native", stream_head=cfg.mode == "lever" and cfg.stream_head)
