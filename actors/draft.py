@@ -1,13 +1,14 @@
 """Drafter: the resident draft model proposes the next tokens."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 import trio
 
 from lever_actors.errors import FlashFault
-from lever_actors.model import FEED_CHUNK
+from lever_actors.model import FEED_CHUNK, Stopped
 from lever_actors.planner import ema
 from lever_actors.prune import ALTERNATIVES
 from lever_actors.scratch_tree import ScratchTree
@@ -36,7 +37,10 @@ class Drafter:
     level, and between calls the drafter reads the DraftSteers of the pass it drafts beside:
     a predicted outcome no tree assumes gets a tree planted for it, and at the commit the
     trees of other outcomes stop growing (``DraftSteer``). Steers only choose what the next
-    levels draft, never a token of the output.
+    levels draft, never a token of the output. A level is drafted in a thread, so a steer that
+    arrives meanwhile is read at once (``mid_level_cut``): a commit that no tree assumed stops
+    the level between two draft layers, as every tree stops growing anyway and the next tree
+    is waited for behind it.
     Faults: an embedding row that reads back changed (the draft bundle changed under the process)
     fails that request, not the drafter: every answer owed says so (``fault``), the driver fails
     the generation with it, and until a request starts a new sequence the drafter answers every
@@ -47,7 +51,7 @@ class Drafter:
     """
 
     def __init__(self, model, requests_recv, out_send, lanes, tracer, head=None, prefix_store=None,
-                 steer_recv=None, grants_send=None) -> None:
+                 steer_recv=None, grants_send=None, mid_level_cut: bool = True) -> None:
         from lever_actors.draft_vocab import FullHead
         from lever_actors.prefix_cache import PrefixStore
 
@@ -73,6 +77,10 @@ class Drafter:
         self._predictions: dict[tuple[int, int], DraftSteer] = {}  # (session, pass) -> its prediction, until its commit
         self.level_s: float | None = None  # one level of a steered draft (seconds, moving average)
         self.deadline_stops = 0  # steered drafts that stopped before a level that would outlast their deadline
+        self.mid_level_cut = mid_level_cut
+        # set (from the event loop) while a level drafts in a thread: its outcome missed, stop between layers
+        self._cut_now = threading.Event()
+        self.levels_cut = 0  # levels stopped between layers by a commit no tree assumed (cumulative)
         self.fault: FlashFault | None = None  # the last request's, until a request starts a new sequence
         self.faults = 0  # requests answered with a fault (cumulative)
 
@@ -104,7 +112,7 @@ class Drafter:
                     exps = self._faulted(req, self.fault)
                 else:
                     try:
-                        exps = await (self._draft_steered(req) if steered else self.lanes.run("cpu", self.draft, req))
+                        exps = await (self._draft_steered(req) if steered else self._on_cpu(req, self.draft, req))
                     except FlashFault as exc:
                         exps = self._faulted(req, exc)
                 if req.threads:  # borrowed for this draft only: the lane idles on its own threads
@@ -147,13 +155,44 @@ class Drafter:
             if levels and not self.level_in_time(req, time.perf_counter()):
                 self.deadline_stops += 1
                 break
-            t1 = time.perf_counter()
-            await self.lanes.run("cpu", self._grow_levels, 1, t0)
-            self.level_s = ema(self.level_s, time.perf_counter() - t1)
+            t1, cut = time.perf_counter(), self.levels_cut
+            await self._on_cpu(req, self._grow_levels, 1, t0)
+            if self.levels_cut == cut:  # a level cut short says nothing of the pace
+                self.level_s = ema(self.level_s, time.perf_counter() - t1)
             t0, levels = None, levels + 1
         if t0 is not None:  # no level drawn: assuming the outcomes was all the drafting
             self.growing["draft_s"] += time.perf_counter() - t0
         return self._answer(req)
+
+    async def _on_cpu(self, req: DraftRequest, fn, *args):
+        """``fn(*args)`` on the CPU lane. While a level of a cross-step request drafts, the steers
+        that arrive are read at once: a commit of the pass it drafts beside that no tree assumed
+        stops the level between two layers (every tree would stop after it anyway)."""
+        watch = self.mid_level_cut and self.steer_recv is not None and self.growing is not None \
+            and (req.extend or bool(req.hypotheses))
+        if not watch:
+            return await self.lanes.run("cpu", fn, *args)
+        self._cut_now.clear()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_steers, req)
+                out = await self.lanes.run("cpu", fn, *args)
+                nursery.cancel_scope.cancel()
+            return out
+        finally:
+            self._cut_now.clear()  # a cut set as the level ended must not stop the next call
+
+    async def _watch_steers(self, req: DraftRequest) -> None:
+        this = (req.session_id, req.step - 1)
+        while True:
+            try:
+                s = await self.steer_recv.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            self.steers.append(s)  # applied between levels as ever (_take_steers)
+            if s.final and (s.session_id, s.step) == this \
+                    and not any(assumes(t, s) for t in self.growing["trees"]):
+                self._cut_now.set()
 
     def level_in_time(self, req: DraftRequest, now: float) -> bool:
         """Whether one more level, at the pace of the levels drafted so far, ends by the request's
@@ -191,12 +230,7 @@ class Drafter:
         """Apply one DraftSteer to the trees of ``req`` (see DraftSteer)."""
         g = self.growing
         trees = g["trees"]
-
-        def assumes(t) -> bool:
-            a = tuple(t["assumed"])
-            return bool(a) and a[:-1] == tuple(s.path) and (s.next_token < 0 or a[-1] == s.next_token)
-
-        held = [t for t in trees if assumes(t)]
+        held = [t for t in trees if assumes(t, s)]
         if s.final:
             for t in trees:
                 if t not in held:
@@ -262,8 +296,9 @@ class Drafter:
         visible = [[base + n for n in tree.path(node)] for node in nodes]
         slots = np.asarray([base + n for n in nodes])
         positions = np.asarray([base + len(v) - 1 for v in visible])
+        # stopped between layers, the nodes stay unfed (their rows are written again when fed)
         hidden = self.m.forward_resident([tree.tok[n] for n in nodes], positions, slots,
-                                         attention_layout(self.m.kv.context, base, visible))
+                                         attention_layout(self.m.kv.context, base, visible), stop=self._cut_now.is_set)
         for n, h in zip(nodes, hidden):
             tree.hid[n] = h
 
@@ -447,11 +482,21 @@ class Drafter:
             hid = self.tree.hid
             return (self.root_hidden if t["root"] < 0 else hid[t["root"]]) if node < 0 else hid[t["scratch"][node]]
 
-        done = 0
+        done, t_level = 0, t0
         while any(t["active"] for t in trees) and (levels == 0 or done < levels):
             active = [(h, t) for h, t in enumerate(trees) if t["active"]]
-            self._feed_nodes([t["scratch"][n] for _, t in active for n in t["frontier"] if n >= 0]
-                             + [n for _, t in active if t["depth"] == 0 for n in self._unfed(t["root"])])
+            t_level = time.perf_counter()
+            try:
+                self._feed_nodes([t["scratch"][n] for _, t in active for n in t["frontier"] if n >= 0]
+                                 + [n for _, t in active if t["depth"] == 0 for n in self._unfed(t["root"])])
+                if self._cut_now.is_set():
+                    raise Stopped("before the head")
+            except Stopped:  # the outcome missed (_watch_steers): every tree stops where it was
+                for t in trees:
+                    t["active"] = False
+                self.levels_cut += 1
+                self.tracer.add("draft cut", "cpu", t_level, time.perf_counter())
+                break
             logits = self.head.logits(np.stack([row_of(t, n) for _, t in active for n in t["frontier"]]))
             r = 0
             for h, t in active:
@@ -486,9 +531,12 @@ class Drafter:
                 if self._done(t):
                     t["active"] = False
             done += 1
-        end = time.perf_counter()
-        g["draft_s"] += end - t0
-        self.tracer.add(f"draft {sum(len(t['tokens']) for t in trees)}", "cpu", t0, end)
+        else:
+            t_level = time.perf_counter()
+        # the answer's draft_s is what the levels kept took (the pace learns from it), not a level cut short
+        g["draft_s"] += t_level - t0
+        if t_level > t0:
+            self.tracer.add(f"draft {sum(len(t['tokens']) for t in trees)}", "cpu", t0, t_level)
 
     def _answer(self, req: DraftRequest) -> list[DraftExpansion]:
         """One DraftExpansion per tree of the request, as grown so far."""
@@ -562,6 +610,13 @@ class Drafter:
         rng = rng_for(params.seed ^ 0x5EED, step, node + 1)
         nz = int(np.count_nonzero(p))
         return [int(t) for t in rng.choice(len(p), size=min(k, nz), replace=False, p=p)]
+
+
+def assumes(tree: dict, s: DraftSteer) -> bool:
+    """Whether a tree drafted ahead assumed the outcome steer ``s`` names (its path, then its next
+    token when that is known)."""
+    a = tuple(tree["assumed"])
+    return bool(a) and a[:-1] == tuple(s.path) and (s.next_token < 0 or a[-1] == s.next_token)
 
 
 def _ranked(row: np.ndarray, rank: int) -> int | None:

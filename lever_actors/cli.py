@@ -101,6 +101,9 @@ ABLATIONS = (
     ("no-stream-head", "lever pins the target's LM head when it fits, as the other modes do, instead of streaming "
                        "it and pinning layers in its place (a pinned head of a tree's rows computes after the last "
                        "layer with nothing to read beside it; streamed, its slices compute behind the reads)"),
+    ("no-mid-level-cut", "at a commit that none of lever's drafts ahead assumed, the level being drafted finishes "
+                         "before the commit cut stops every tree, instead of stopping between two draft layers "
+                         "(the next tree, which the pass waits for, is drafted behind it)"),
 )
 
 
@@ -109,7 +112,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +no-auto-schedule / +no-turns-veto / +fixed-tree / +no-prune / +no-vocab-trim / +no-draft-q4 / +no-adaptive-depth / +no-ngram / "
-                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline / +no-coupled / +no-stream-head "
+                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline / +no-coupled / +no-stream-head / +no-mid-level-cut "
                         + (f"(default {default_mode}, the fastest mode measured)" if default_mode else
                            "(default resident-ar; with --socket, the daemon's mode)"))
     g.add_argument("--dram-budget", default=None, metavar="SIZE",

@@ -328,6 +328,7 @@ class Pipeline:
         check0 = self.prefetcher.check_s
         steer0 = dict(self.drafter.steer_counts) if self.drafter is not None else {}
         stops0 = self.drafter.deadline_stops if self.drafter is not None else 0
+        cuts0 = self.drafter.levels_cut if self.drafter is not None else 0
         if self.pruner is not None:
             steer0["predicted"] = self.pruner.predictions
         t_prefill = time.perf_counter()
@@ -368,6 +369,7 @@ class Pipeline:
             out[2][f"exit_{k}"] = now - v0
         if self.drafter is not None:  # drafts ahead that stopped before a level that would outlast the pass
             out[2]["deadline_stops"] = self.drafter.deadline_stops - stops0
+            out[2]["levels_cut"] = self.drafter.levels_cut - cuts0  # stopped between layers by a commit they missed
         return out
 
     async def _collect_outstanding(self, g: Generation) -> None:

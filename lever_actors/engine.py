@@ -100,7 +100,7 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 MODE_FLAGS = ("no-overlap", "no-auto-schedule", "no-turns-veto", "fixed-tree", "no-prune", "no-vocab-trim", "no-draft-q4", "no-adaptive-depth", "no-ngram",
               "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
               "no-core-lend", "no-calibrated-ahead", "marginal-depth", "level-deadline", "no-coupled",
-              "no-stream-head")
+              "no-stream-head", "no-mid-level-cut")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -174,6 +174,7 @@ class EngineConfig:
     calibrated_ahead: bool = True  # lever: drafts ahead also stop where the calibrated acceptance says a level no longer pays
     coupled: bool = True  # sampling: Gumbel noise by position (sampling.py), not rejection sampling
     stream_head: bool = True  # lever: the LM head streams and layers are pinned in its place (budget.plan_budget)
+    mid_level_cut: bool = True  # lever: a commit no draft ahead assumed stops the level drafting between two layers
 
     def with_mode(self, text: str, gamma: int | None = None) -> "EngineConfig":
         """This configuration running ``text`` (e.g. 'lever:32+no-overlap', 'flash-ar@400MiB')."""
@@ -202,6 +203,7 @@ class EngineConfig:
                        level_deadline=self.level_deadline or "level-deadline" in flags,
                        coupled=self.coupled and "no-coupled" not in flags,
                        stream_head=self.stream_head and "no-stream-head" not in flags,
+                       mid_level_cut=self.mid_level_cut and "no-mid-level-cut" not in flags,
                        budget_source=source)
 
     @classmethod
@@ -242,6 +244,7 @@ class EngineConfig:
             calibrated_ahead=not getattr(args, "no_calibrated_ahead", False),
             coupled=not getattr(args, "no_coupled", False),
             stream_head=not getattr(args, "no_stream_head", False),
+            mid_level_cut=not getattr(args, "no_mid_level_cut", False),
             prompt_cache=_prompt_cache(getattr(args, "prompt_cache", None)),
         ).with_mode(mode_text, gamma)  # flags and an '@SIZE' budget carried by the mode text
 
@@ -289,6 +292,8 @@ class EngineConfig:
             text += "+no-coupled"
         if self.mode == "lever" and not self.stream_head:
             text += "+no-stream-head"
+        if self.mode == "lever" and self.overlap and self.commit_cut and not self.mid_level_cut:
+            text += "+no-mid-level-cut"
         return text
 
     @property

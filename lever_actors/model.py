@@ -42,6 +42,10 @@ def kv_dtype(layout: str, precision: str):
     return np.float16 if layout == "native" and precision == "int8" else np.float32
 
 
+class Stopped(Exception):
+    """A forward call stopped between two layers because its caller asked it to."""
+
+
 class KVCache:
     """K/V of every layer in ``context`` slots: ``[n_layer, KVH, C, D]`` each.
 
@@ -427,12 +431,16 @@ class Transformer:
     def logits(self, hidden_rows: np.ndarray) -> np.ndarray:
         return np.concatenate([self.head_logits(s, hidden_rows) for s in self.head_sessions], axis=-1)
 
-    def forward_resident(self, tokens, positions, slots, layout) -> np.ndarray:
-        """All layers resident: final hidden states ``[N, H]`` of ``tokens``."""
+    def forward_resident(self, tokens, positions, slots, layout, stop=None) -> np.ndarray:
+        """All layers resident: final hidden states ``[N, H]`` of ``tokens``. ``stop`` (a callable) is
+        asked before every layer; when it says so the call raises :class:`Stopped`, and the slots'
+        KV rows are left written up to some layer (the caller must not trust them)."""
         slots = np.asarray(slots, np.int64)
         x = self.embedding.lookup(tokens)
         feeds = self.feeds(np.asarray(positions), slots, layout)
         for i in range(self.n_layer):
+            if stop is not None and stop():
+                raise Stopped(f"stopped before layer {i}")
             x = self.run_layer(i, self.resident[i], x, feeds, slots)
         return x
 

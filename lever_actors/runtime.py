@@ -440,7 +440,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
                 dout_send, dout_recv = trio.open_memory_channel(caps["drafts"])
                 drafter = Drafter(drafter_model, dreq_recv, dout_send, lanes, tracer, head=subset_head,
                                   prefix_store=PrefixStore(store_bytes["draft"]), steer_recv=steer_recv,
-                                  grants_send=grant_send)
+                                  grants_send=grant_send, mid_level_cut=cfg.mid_level_cut)
                 await nursery.start(drafter.run)
                 pipe.drafter, pipe.draft_send, pipe.draft_recv = drafter, dreq_send, dout_recv
             pipe.plan_send, pipe.commit_recv, pipe.stats_recv = plan_send, commit_recv, stats_recv

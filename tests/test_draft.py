@@ -321,6 +321,74 @@ def test_a_cut_with_no_outcome_held_stops_every_tree(tiny_bundles):
     assert [len(e.tokens) for e in d._answer(req)] == [1, 1]
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_a_commit_no_tree_assumed_stops_the_level_drafting_between_two_layers(tiny_bundles, held):
+    """A level drafts in a thread; the commit of the pass beside it arrives while the level is at
+    its first layer. When no tree assumed that outcome, the level stops before its next layer
+    (every tree stops, the answers are the trees before it) and the rows it half wrote are never
+    trusted: committing through the nodes it was feeding leaves the exact cache. When a tree
+    held, the level runs to its end."""
+    import threading
+
+    from lever_actors.lanes import ThreadLanes
+
+    bundle = tiny_bundles[1]
+    d = _drafter(bundle)
+    (tree,) = _first(d)
+    chain = [int(t) for t in tree.tokens]
+    hyps = ((tuple(chain), (), 6, 6, 0), ((), (chain[0],), 6, 6, 0))
+    req = _req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1, hypotheses=hyps)
+    layers, at_layer, run_layer = [], threading.Event(), d.m.run_layer
+    gate = {"level": 0}
+
+    def gated(i, *a):
+        if gate["level"] == 2:  # the second level (the first after the one answered in full)
+            layers.append(i)
+            if i == 0:
+                at_layer.set()
+                d._cut_now.wait(2.0)  # the commit arrives now, mid-level
+        return run_layer(i, *a)
+
+    grow = d._grow_levels
+
+    def counted(levels, t0=None):
+        gate["level"] += 1
+        return grow(levels, t0)
+
+    d.m.run_layer, d._grow_levels = gated, counted
+
+    async def main():
+        send, d.steer_recv = trio.open_memory_channel(4)
+        d.lanes = ThreadLanes()
+        async with trio.open_nursery() as nursery:
+            async def commit():
+                await trio.to_thread.run_sync(at_layer.wait)
+                assumed = [tuple(t["assumed"]) for t in d.growing["trees"]]
+                if held:  # the main path accepted whole, then the draft's own next token
+                    send.send_nowait(_steer(0, assumed[0][:-1], assumed[0][-1], final=True, max_depth=2))
+                else:  # the first drafted token rejected, and the target's token not the draft's runner-up
+                    other = next(t for t in range(50) if (t,) not in assumed)
+                    send.send_nowait(_steer(0, (), other, final=True, max_depth=6))
+            nursery.start_soon(commit)
+            return await d._draft_steered(req)
+
+    main_tree, second = trio.run(main)
+    n_layer = d.m.n_layer
+    if held:
+        assert layers == list(range(n_layer)) and d.levels_cut == 0
+        assert [len(e.tokens) for e in (main_tree, second)] == [2, 2]  # both trees' level, in one call
+        return
+    assert layers == [0] and d.levels_cut == 1  # stopped before its second layer
+    assert [len(e.tokens) for e in (main_tree, second)] == [1, 1] and not main_tree.growing
+    # commit the main outcome and its first drafted node, one of the nodes the cut level was feeding
+    assumed = tuple(d.growing["trees"][0]["assumed"])
+    committed = assumed + (int(main_tree.tokens[0]),)
+    d.m.run_layer, d._grow_levels = run_layer, grow
+    d.draft(_req(2, root_token=committed[-1], position=len(PROMPT) + len(committed) - 1, committed=committed,
+                 max_nodes=0, max_depth=0))
+    _check_rows(d, bundle, PROMPT + list(committed))
+
+
 def test_a_predicted_outcome_no_hypothesis_assumed_gets_a_tree_of_its_own(tiny_bundles):
     """The exit layer predicts an outcome no hypothesis assumed: the drafter plants a tree for it in
     the same draft calls; that tree is what a drafter that had committed the outcome drafts, and when
