@@ -112,7 +112,7 @@ class Drafter:
                     exps = self._faulted(req, self.fault)
                 else:
                     try:
-                        exps = await (self._draft_steered(req) if steered else self._on_cpu(req, self.draft, req))
+                        exps = await (self._draft_steered(req) if steered else self.lanes.run("cpu", self.draft, req))
                     except FlashFault as exc:
                         exps = self._faulted(req, exc)
                 if req.threads:  # borrowed for this draft only: the lane idles on its own threads
@@ -165,22 +165,26 @@ class Drafter:
         return self._answer(req)
 
     async def _on_cpu(self, req: DraftRequest, fn, *args):
-        """``fn(*args)`` on the CPU lane. While a level of a cross-step request drafts, the steers
+        """``fn(*args)``, a level of a cross-step request, on the CPU lane. While it drafts, the steers
         that arrive are read at once: a commit of the pass it drafts beside that no tree assumed
         stops the level between two layers (every tree would stop after it anyway)."""
-        watch = self.mid_level_cut and self.steer_recv is not None and self.growing is not None \
-            and (req.extend or bool(req.hypotheses))
-        if not watch:
+        if not (self.mid_level_cut and self.steer_recv is not None and self.growing is not None):
             return await self.lanes.run("cpu", fn, *args)
         self._cut_now.clear()
+        failed = None
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_steers, req)
-                out = await self.lanes.run("cpu", fn, *args)
+                try:
+                    out = await self.lanes.run("cpu", fn, *args)
+                except Exception as exc:  # raised as itself, not in the nursery's group (run() answers a FlashFault)
+                    failed = exc
                 nursery.cancel_scope.cancel()
-            return out
         finally:
             self._cut_now.clear()  # a cut set as the level ended must not stop the next call
+        if failed is not None:
+            raise failed
+        return out
 
     async def _watch_steers(self, req: DraftRequest) -> None:
         this = (req.session_id, req.step - 1)
@@ -189,10 +193,10 @@ class Drafter:
                 s = await self.steer_recv.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 return
-            self.steers.append(s)  # applied between levels as ever (_take_steers)
             if s.final and (s.session_id, s.step) == this \
                     and not any(assumes(t, s) for t in self.growing["trees"]):
                 self._cut_now.set()
+            self.steers.append(s)  # applied between levels as ever (_take_steers)
 
     def level_in_time(self, req: DraftRequest, now: float) -> bool:
         """Whether one more level, at the pace of the levels drafted so far, ends by the request's

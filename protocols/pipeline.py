@@ -269,8 +269,10 @@ class DraftSteer(PipelineMessage):
     """CpuPruner or driver -> Drafter: what pass ``step`` commits, predicted or known, while the
     drafter still grows the trees of its cross-step request (the request of step ``step + 1``).
 
-    The drafter reads steers between draft calls, so a steer only changes what the next levels
-    draft; one that arrives after the request was answered is dropped. ``path`` is the accepted
+    The drafter applies steers between draft calls, so a steer only changes what the next levels
+    draft; one that arrives after the request was answered is dropped. The one exception: a final
+    steer no tree assumed stops the level in progress between two draft layers (every tree would
+    stop after it anyway). ``path`` is the accepted
     path's tokens, ``next_token`` the target's token after it (-1: not predicted; the draft's
     own best token stands in for it, as in a hypothesis).
 

@@ -8,6 +8,8 @@ silently get worse.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import trio
@@ -346,7 +348,9 @@ def test_a_commit_no_tree_assumed_stops_the_level_drafting_between_two_layers(ti
             layers.append(i)
             if i == 0:
                 at_layer.set()
-                d._cut_now.wait(2.0)  # the commit arrives now, mid-level
+                deadline = time.monotonic() + 30
+                while not d.steers and time.monotonic() < deadline:  # the commit arrives now, mid-level
+                    time.sleep(0.001)  # (the drafter decides on a cut before it keeps the steer)
         return run_layer(i, *a)
 
     grow = d._grow_levels
@@ -362,7 +366,7 @@ def test_a_commit_no_tree_assumed_stops_the_level_drafting_between_two_layers(ti
         d.lanes = ThreadLanes()
         async with trio.open_nursery() as nursery:
             async def commit():
-                await trio.to_thread.run_sync(at_layer.wait)
+                assert await trio.to_thread.run_sync(at_layer.wait, 30), "the second level never started"
                 assumed = [tuple(t["assumed"]) for t in d.growing["trees"]]
                 if held:  # the main path accepted whole, then the draft's own next token
                     send.send_nowait(_steer(0, assumed[0][:-1], assumed[0][-1], final=True, max_depth=2))
@@ -387,6 +391,46 @@ def test_a_commit_no_tree_assumed_stops_the_level_drafting_between_two_layers(ti
     d.draft(_req(2, root_token=committed[-1], position=len(PROMPT) + len(committed) - 1, committed=committed,
                  max_nodes=0, max_depth=0))
     _check_rows(d, bundle, PROMPT + list(committed))
+
+
+def test_a_fault_in_a_level_read_for_steers_fails_the_request_not_the_drafter(tiny_bundles):
+    """A level that reads the steers as it drafts runs beside a task of its own; a FlashFault raised in
+    it (a draft row changed under the process) still reaches the drafter's loop as itself: every tree
+    of the request is answered with it, and the drafter answers the next request."""
+    from lever_actors.errors import FlashFault
+    from lever_actors.lanes import ThreadLanes
+
+    d = _drafter(tiny_bundles[1])
+    grow = d._grow_levels
+
+    def faulty(levels, t0=None):
+        raise FlashFault("draft embedding row 7 changed", retryable=False)
+
+    async def main():
+        req_send, d.requests_recv = trio.open_memory_channel(4)
+        d.out_send, out_recv = trio.open_memory_channel(8)
+        _, d.steer_recv = trio.open_memory_channel(4)
+        d.lanes = ThreadLanes()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(d.run)
+            await req_send.send(_req(0, root_token=PROMPT[-1], position=len(PROMPT) - 1, committed=tuple(PROMPT),
+                                     reset=True, max_nodes=0, max_depth=0))
+            assert not (await out_recv.receive()).fault
+            d._grow_levels = faulty
+            await req_send.send(_req(1, root_token=PROMPT[-1], position=len(PROMPT) - 1,
+                                     hypotheses=(((), (), 4, 4, 0), ((), (0,), 4, 4, 0))))
+            faults = [await out_recv.receive() for _ in range(2)]
+            d._grow_levels = grow
+            await req_send.send(_req(2, root_token=PROMPT[-1], position=len(PROMPT) - 1, committed=tuple(PROMPT),
+                                     reset=True))
+            after = await out_recv.receive()
+            nursery.cancel_scope.cancel()
+        return faults, after
+
+    faults, after = trio.run(main)
+    assert [(e.hypothesis, e.of) for e in faults] == [(0, 2), (1, 2)]
+    assert all("row 7 changed" in e.fault and not e.fault_retryable for e in faults)
+    assert not after.fault and len(after.tokens) == 4
 
 
 def test_a_predicted_outcome_no_hypothesis_assumed_gets_a_tree_of_its_own(tiny_bundles):
