@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 # model's sessions was 1.29 (draft) and 1.30 (target LM head) on onnxruntime 1.32.
 PREPACK_FACTOR = 1.3
 MIN_SLOTS = 2  # double buffering: read layer l+1 while layer l computes
+# lever streams its LM head only while at least this share of the layers stream too: a layer's compute
+# for a tree's rows takes about half its read (4-5 ms against 9 on the hosts measured), so with fewer
+# layers streaming the layers' part of the pass is bound by compute with the flash lane idle, and the
+# head's reads (183 MiB, as much as 7 layers) all come after it (1 GiB: 8 of 28 layers, 0.96x)
+STREAM_HEAD_MIN_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -98,10 +103,11 @@ def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int
     The LM head is pinned when it fits beside two stream slots; otherwise its
     vocabulary slices stream after the last layer, like layers. With ``stream_head``
     (lever) the head streams instead, and layers are pinned in its place, whenever
-    layers stream anyway and that reads no more than one layer more a pass: a
-    pinned head computes after the last layer with nothing left to read beside it
-    (a tree's 8-12 rows outlast the read-ahead of two stream slots), streamed slices
-    compute behind the reads of the next ones. Raises :class:`BudgetError` with the
+    layers stream anyway, that reads no more than one layer more a pass, and at
+    least half the layers still stream (``STREAM_HEAD_MIN_SHARE``): a pinned head
+    computes after the last layer with nothing left to read beside it (a tree's
+    8-12 rows outlast the read-ahead of two stream slots), streamed slices compute
+    behind the reads of the next ones. Raises :class:`BudgetError` with the
     numbers when even streaming everything cannot fit.
     """
     from lever_actors.errors import BudgetError
@@ -146,7 +152,7 @@ def plan_budget(budget: int | None, items: dict[str, int], layer_bytes: list[int
     usual = plan(False) or plan(True)
     if usual is not None and stream_head and usual.streamed and not usual.head_streamed:
         alt = plan(True)
-        if reads(alt) <= reads(usual) + max(layer_bytes):
+        if reads(alt) <= reads(usual) + max(layer_bytes) and len(alt.streamed) >= STREAM_HEAD_MIN_SHARE * n:
             return alt
     if usual is not None:
         return usual

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lever_actors.budget import MIN_SLOTS, PREPACK_FACTOR, plan_budget, spread
+from lever_actors.budget import MIN_SLOTS, PREPACK_FACTOR, STREAM_HEAD_MIN_SHARE, plan_budget, spread
 from lever_actors.errors import BudgetError
 
 MB = 2**20
@@ -79,7 +79,8 @@ def _reads(plan, layers, head) -> int:
 def test_a_streamed_head_pins_layers_in_its_place_only_where_that_reads_about_as_much(budget, layers, head, fixed):
     """lever's plan (``stream_head``): where the usual plan pins everything, so does it; where the usual
     plan streams layers beside a pinned head, the head streams instead only when that reads no more
-    than one layer more a pass, and then pins at least as many layers; otherwise the plans agree."""
+    than one layer more a pass and at least half the layers still stream, and then pins at least as
+    many layers; otherwise the plans agree."""
     try:
         usual = plan_budget(budget, fixed, layers, head)
     except BudgetError:
@@ -91,6 +92,7 @@ def test_a_streamed_head_pins_layers_in_its_place_only_where_that_reads_about_as
     if plan != usual:
         assert usual.streamed and not usual.head_streamed
         assert plan.head_streamed and len(plan.pinned) >= len(usual.pinned)
+        assert len(plan.streamed) >= STREAM_HEAD_MIN_SHARE * len(layers)
 
 
 LEVER_768 = {"runtime": 101 * MB, "headroom": 40 * MB, "target_kv": 28 * MB, "activations": 32 * MB,
@@ -107,6 +109,22 @@ def test_lever_streams_the_real_targets_head_at_768_mib_and_pins_layers_in_its_p
     assert not usual.head_streamed and len(usual.pinned) == 3
     assert plan.head_streamed and len(plan.pinned) == 10
     assert _reads(plan, TARGET_LAYERS, TARGET_HEAD) <= _reads(usual, TARGET_LAYERS, TARGET_HEAD)
+
+
+@pytest.mark.parametrize("budget_mib, streams", [(700, True), (832, True), (896, False), (1024, False)])
+def test_lever_keeps_its_head_pinned_where_fewer_than_half_the_layers_would_stream(budget_mib, streams):
+    """Streamed, the head's reads all come after the last layer; with fewer than half the layers
+    streaming, the layers' part of the pass is bound by their compute and the flash lane idles
+    through it (1 GiB: 8 of 28 layers would stream, and the streamed head ran 0.96x the pinned one).
+    The real pair's shapes: lever streams its head up to 832 MiB (16 layers streamed beside it),
+    not from 896 MiB (13)."""
+    usual = plan_budget(budget_mib * MB, LEVER_768, TARGET_LAYERS, TARGET_HEAD)
+    plan = plan_budget(budget_mib * MB, LEVER_768, TARGET_LAYERS, TARGET_HEAD, stream_head=True)
+    assert usual.streamed and not usual.head_streamed
+    if streams:
+        assert plan.head_streamed and len(plan.streamed) >= 14 and len(plan.pinned) > len(usual.pinned)
+    else:
+        assert plan == usual
 
 
 def test_a_head_larger_than_what_streams_stays_pinned():
