@@ -493,9 +493,10 @@ class Drafter:
             try:
                 self._feed_nodes([t["scratch"][n] for _, t in active for n in t["frontier"] if n >= 0]
                                  + [n for _, t in active if t["depth"] == 0 for n in self._unfed(t["root"])])
-                if self._cut_now.is_set():
-                    raise Stopped("before the head")
-            except Stopped:  # the outcome missed (_watch_steers): every tree stops where it was
+                stopped = self._cut_now.is_set()  # after the last layer: the head is still to run
+            except Stopped:
+                stopped = True
+            if stopped:  # the outcome missed (_watch_steers): every tree stops where it was
                 for t in trees:
                     t["active"] = False
                 self.levels_cut += 1

@@ -21,7 +21,7 @@ MIN_SLOTS = 2  # double buffering: read layer l+1 while layer l computes
 # lever streams its LM head only while at least this share of the layers stream too: a layer's compute
 # for a tree's rows takes about half its read (4-5 ms against 9 on the hosts measured), so with fewer
 # layers streaming the layers' part of the pass is bound by compute with the flash lane idle, and the
-# head's reads (183 MiB, as much as 7 layers) all come after it (1 GiB: 8 of 28 layers, 0.96x)
+# head's reads (183 MiB, as much as 7 layers) all come after it (1 GiB: 9 of 28 layers, 0.96x)
 STREAM_HEAD_MIN_SHARE = 0.5
 
 

@@ -272,9 +272,9 @@ class DraftSteer(PipelineMessage):
     The drafter applies steers between draft calls, so a steer only changes what the next levels
     draft; one that arrives after the request was answered is dropped. The one exception: a final
     steer no tree assumed stops the level in progress between two draft layers (every tree would
-    stop after it anyway). ``path`` is the accepted
-    path's tokens, ``next_token`` the target's token after it (-1: not predicted; the draft's
-    own best token stands in for it, as in a hypothesis).
+    stop after it anyway). ``path`` is the accepted path's tokens, ``next_token`` the target's
+    token after it (-1: not predicted; the draft's own best token stands in for it, as in a
+    hypothesis).
 
     * ``final`` False: a prediction (the early-exit layer's logit lens). A tree assuming that
       outcome keeps growing as before; when none does, the drafter plants one for it beside them.
