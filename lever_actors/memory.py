@@ -146,6 +146,30 @@ def auto_budget() -> tuple[int, str]:
     return int(avail * AUTO_SHARE), f"{AUTO_SHARE:.0%} of MemAvailable ({avail / 2**20:,.0f} MiB)"
 
 
+def wait_peak_rss(proc, timeout: float | None = None) -> tuple[int, int]:
+    """Reap the child ``proc`` (a ``subprocess.Popen``); return its exit code and its peak resident
+    set in bytes, as the kernel kept it (``wait4``'s ``ru_maxrss``).
+
+    That is the process's own memory at its largest (anonymous pages and the file pages it maps),
+    without the page cache its cgroup is also charged for. Its output must not be a pipe nobody
+    reads: redirect it to files. After ``timeout`` seconds the child is killed and
+    ``subprocess.TimeoutExpired`` raised."""
+    import subprocess
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, 0 if deadline is None else os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_maxrss * 1024  # Linux reports KiB
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        time.sleep(0.05)
+
+
 class MemoryCgroup:
     """A child memory cgroup with a hard limit, for running a process inside a cap (tests and tools).
 
@@ -186,7 +210,12 @@ class MemoryCgroup:
 
     @property
     def peak(self) -> int:
-        """The most memory the group was charged (RSS and page cache), in bytes."""
+        """The most memory the group was charged (RSS and page cache), in bytes.
+
+        The page cache part is whatever the group's file reads left cached (the interpreter's
+        modules, the tokenizer, the draft as it loads), up to the limit: the kernel reclaims it
+        before it would kill, so in a roomy group this peak can pass the budget while the process's
+        own memory does not. ``wait_peak_rss`` reads the latter."""
         name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
         return int((self.path / name).read_text().split()[0])
 
