@@ -333,6 +333,7 @@ def cmd_generate(args) -> int:
         args.prompt, args.prompt_file, args.humaneval = read_prompt(args), None, None
         return generate_via_socket(args)
     from lever_actors.engine import EngineConfig, generate_once
+    from lever_actors.memory import peak_rss
 
     prompt = read_prompt(args)
     cfg = EngineConfig.from_args(args)
@@ -346,8 +347,10 @@ def cmd_generate(args) -> int:
 
     t0 = time.perf_counter()
     result = generate_once(cfg, prompt, args, on_text)
+    peak = peak_rss()  # the whole process at its largest, as the kernel counts it (--dram-budget bounds it)
     if args.json:
         out = {
+            "peak_rss_bytes": peak,
             "token_ids": result.token_ids, "text": result.text, "prompt_token_ids": result.prompt_ids,
             "finish_reason": result.finish_reason, "mode": cfg.mode_string(),
             "timings": {"load_s": result.load_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
@@ -358,7 +361,7 @@ def cmd_generate(args) -> int:
     else:
         sys.stdout.write("\n")
         print(f"[{len(result.token_ids)} tokens, {result.tokens_per_s:.2f} tok/s, {cfg.mode_string()}, "
-              f"finish: {result.finish_reason}]", file=sys.stderr)
+              f"finish: {result.finish_reason}, peak RSS {peak / 2**20:,.0f} MiB]", file=sys.stderr)
     return 0
 
 

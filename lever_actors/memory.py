@@ -146,28 +146,18 @@ def auto_budget() -> tuple[int, str]:
     return int(avail * AUTO_SHARE), f"{AUTO_SHARE:.0%} of MemAvailable ({avail / 2**20:,.0f} MiB)"
 
 
-def wait_peak_rss(proc, timeout: float | None = None) -> tuple[int, int]:
-    """Reap the child ``proc`` (a ``subprocess.Popen``); return its exit code and its peak resident
-    set in bytes, as the kernel kept it (``wait4``'s ``ru_maxrss``).
+def peak_rss(pid: int | str = "self") -> int:
+    """Peak resident set size of a process in bytes (``VmHWM`` of ``/proc/PID/status``).
 
-    That is the process's own memory at its largest (anonymous pages and the file pages it maps),
-    without the page cache its cgroup is also charged for. Its output must not be a pipe nobody
-    reads: redirect it to files. After ``timeout`` seconds the child is killed and
-    ``subprocess.TimeoutExpired`` raised."""
-    import subprocess
-    import time
-
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        pid, status, usage = os.wait4(proc.pid, 0 if deadline is None else os.WNOHANG)
-        if pid:
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            return proc.returncode, usage.ru_maxrss * 1024  # Linux reports KiB
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise subprocess.TimeoutExpired(proc.args, timeout)
-        time.sleep(0.05)
+    Counted for the process's own memory since its last exec: anonymous pages and the file pages it
+    maps, without the page cache its cgroup is also charged for. (``wait4``'s ``ru_maxrss`` is no
+    substitute: it also keeps the high-water mark from before the exec, which for a child forked
+    from a large parent is the parent's.)"""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise OSError(f"/proc/{pid}/status has no VmHWM line")
 
 
 class MemoryCgroup:
@@ -215,7 +205,7 @@ class MemoryCgroup:
         The page cache part is whatever the group's file reads left cached (the interpreter's
         modules, the tokenizer, the draft as it loads), up to the limit: the kernel reclaims it
         before it would kill, so in a roomy group this peak can pass the budget while the process's
-        own memory does not. ``wait_peak_rss`` reads the latter."""
+        own memory does not. ``peak_rss`` reads the latter."""
         name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
         return int((self.path / name).read_text().split()[0])
 

@@ -2,7 +2,8 @@
 
 ``generate`` and ``serve`` run inside a cgroup whose hard limit equals the budget (never
 OOM-killed) and inside one at 1.25x the budget, where the process's peak resident set as the
-kernel kept it (``wait4``'s ``ru_maxrss``) must stay within the budget: a hard limit alone cannot
+kernel keeps it (``VmHWM``, which ``generate --json`` reports and the test reads from a daemon's
+``/proc/PID/status``) must stay within the budget: a hard limit alone cannot
 show an overrun, since the kernel reclaims before it kills. The roomy group's own peak
 (``memory.peak``) is no such measure: it also counts the page cache the run's file reads leave
 behind, which fills whatever room the group has (the real pair: 695 MiB of process memory and
@@ -14,6 +15,7 @@ the runtime measures its own share.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from lever_actors.memory import MemoryCgroup, _own_cgroup_paths, cgroup_limit, wait_peak_rss
+from lever_actors.memory import MemoryCgroup, _own_cgroup_paths, cgroup_limit, peak_rss
 
 _names = itertools.count()
 ENV = {k: v for k, v in os.environ.items() if k != "LEVER_TEST_RUNTIME_BYTES"}
@@ -52,23 +54,19 @@ def minimum_budget(target: Path, draft: Path, mode: str) -> int:
 class Run:
     returncode: int
     stderr: str
-    peak_rss: int  # bytes, the kernel's ru_maxrss for the process
+    peak_rss: int  # bytes, the process's VmHWM as it reported it (0 if it failed)
 
 
-def run_generate(cg: MemoryCgroup, target, draft, mode: str, budget: int, tmp: Path, tokens: int = 24) -> Run:
-    err = tmp / f"generate{next(_names)}.err"
-    with open(err, "w") as f:
-        proc = subprocess.Popen(CLI + ["generate", "def add(a, b):", "--target", str(target), "--draft", str(draft),
-                                       "--mode", mode, "--dram-budget", str(budget), "--max-tokens", str(tokens)],
-                                env=ENV, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=f,
-                                preexec_fn=cg.preexec)
-        rc, peak = wait_peak_rss(proc, timeout=600)
-    return Run(rc, err.read_text(), peak)
+def run_generate(cg: MemoryCgroup, target, draft, mode: str, budget: int, tokens: int = 24) -> Run:
+    p = subprocess.run(CLI + ["generate", "def add(a, b):", "--target", str(target), "--draft", str(draft),
+                              "--mode", mode, "--dram-budget", str(budget), "--max-tokens", str(tokens), "--json"],
+                       env=ENV, capture_output=True, text=True, preexec_fn=cg.preexec, timeout=600)
+    return Run(p.returncode, p.stderr, json.loads(p.stdout)["peak_rss_bytes"] if p.returncode == 0 else 0)
 
 
 def serve_three(cg: MemoryCgroup, target, draft, mode: str, budget: int, tmp: Path) -> tuple[list[str], int]:
     """A daemon inside ``cg`` answers three requests in a row; returns their texts and the daemon's
-    peak resident set."""
+    peak resident set in bytes."""
     from lever_actors.client import SyncClient
 
     sock = tmp / f"d{next(_names)}.sock"
@@ -86,12 +84,11 @@ def serve_three(cg: MemoryCgroup, target, draft, mode: str, budget: int, tmp: Pa
         with SyncClient(sock) as client:
             for i in range(3):
                 texts.append(client.generate(prompt=f"def f{i}(x):", max_tokens=16).text)
+        return texts, peak_rss(proc.pid)  # the daemon is still running: its own high-water mark
     finally:
-        if proc.returncode is None:  # else poll() above reaped a daemon that died, its usage with it
-            proc.terminate()
-            peak = wait_peak_rss(proc, timeout=60)[1]
+        proc.terminate()
+        proc.wait(timeout=60)
         log.close()
-    return texts, peak
 
 
 @pytest.fixture(scope="module")
@@ -99,16 +96,16 @@ def tiny_budget(tiny_bundles) -> int:
     return minimum_budget(*tiny_bundles, "lever:8") + 8 * 2**20
 
 
-def test_generate_is_never_oom_killed_at_a_limit_equal_to_its_budget(tiny_bundles, tiny_budget, tmp_path):
+def test_generate_is_never_oom_killed_at_a_limit_equal_to_its_budget(tiny_bundles, tiny_budget):
     with cgroup(tiny_budget) as cg:
-        p = run_generate(cg, *tiny_bundles, "lever:8", tiny_budget, tmp_path)
+        p = run_generate(cg, *tiny_bundles, "lever:8", tiny_budget)
         assert p.returncode == 0, p.stderr
         assert cg.oom_kills == 0
 
 
-def test_generate_peak_stays_within_its_budget(tiny_bundles, tiny_budget, tmp_path):
+def test_generate_peak_stays_within_its_budget(tiny_bundles, tiny_budget):
     with cgroup(int(tiny_budget * 1.25)) as cg:
-        p = run_generate(cg, *tiny_bundles, "lever:8", tiny_budget, tmp_path)
+        p = run_generate(cg, *tiny_bundles, "lever:8", tiny_budget)
         assert p.returncode == 0, p.stderr
         assert 0 < p.peak_rss <= tiny_budget, (p.peak_rss, cg.peak, tiny_budget)
 
@@ -136,6 +133,25 @@ def test_auto_budget_reads_the_cgroup_limit(tiny_bundles, tiny_budget):
     assert f"of {tiny_budget / 2**20:,.0f} MiB" in stats["budget"]  # planned with the cgroup's limit
 
 
+def test_peak_rss_is_a_process_high_water_mark_since_its_exec():
+    """``peak_rss`` reads the kernel's high-water mark of a process since its exec: it counts what
+    the process touched even after it let go, and a child forked from a large parent and exec'd
+    starts from its own pages (``wait4``'s ``ru_maxrss`` would keep the parent's, from before the exec)."""
+    touch = "b = bytearray(96 * 2**20); b[::4096] = b'x' * len(b[::4096]); del b; "
+
+    def child_peak(code: str = "") -> int:
+        out = subprocess.run([sys.executable, "-c", f"{code}from lever_actors.memory import peak_rss; print(peak_rss())"],
+                             capture_output=True, text=True, check=True, preexec_fn=lambda: None)  # forked
+        return int(out.stdout)
+
+    ballast = bytearray(256 * 2**20)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # this process, touched: far larger than a child
+    small, large = child_peak(), child_peak(touch)
+    assert peak_rss() > 256 * 2**20 > small > 0
+    assert large >= small + 90 * 2**20  # the freed buffer still counts: a peak, not the current size
+    del ballast
+
+
 def test_cgroup_paths_and_limits_are_read_for_both_versions(tmp_path):
     assert _own_cgroup_paths("12:memory:/a/b\n0::/c\n") == ("/c", "/a/b")
     (tmp_path / "memory" / "a" / "b").mkdir(parents=True)
@@ -153,7 +169,7 @@ def test_the_real_pair_runs_inside_768_mib(real_bundles, tmp_path):
     """The standard setting as the OS counts it: ``lever`` at 768 MiB, generate and serve."""
     budget = 768 * 2**20
     with cgroup(budget) as cg:
-        p = run_generate(cg, *real_bundles, "lever", budget, tmp_path, tokens=16)
+        p = run_generate(cg, *real_bundles, "lever", budget, tokens=16)
         assert p.returncode == 0, p.stderr
         assert cg.oom_kills == 0
     with cgroup(int(budget * 1.25)) as cg:

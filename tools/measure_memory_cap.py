@@ -5,8 +5,8 @@
 For each budget (MiB) and each of greedy and sampled (T=0.8) decoding, runs
 ``lever-actors generate --humaneval N --mode MODE --dram-budget B`` inside a cgroup
 whose limit is the budget (it must not be OOM-killed) and inside one at 1.25x the
-budget (the process's peak resident set as the kernel kept it, ``wait4``'s ``ru_maxrss``,
-must stay within the budget: a hard limit alone cannot show an overrun, since the
+budget (the process's peak resident set as the kernel keeps it, ``VmHWM``, which
+``generate --json`` reports, must stay within the budget: a hard limit alone cannot show an overrun, since the
 kernel reclaims before it kills). Each row also gives the group's own peak count
 (``memory.max_usage_in_bytes`` / ``memory.peak``), which adds the page cache the run's
 file reads leave behind: in the roomy group that fills what room there is, so it is
@@ -25,12 +25,11 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lever_actors.memory import MemoryCgroup, wait_peak_rss  # noqa: E402
+from lever_actors.memory import MemoryCgroup  # noqa: E402
 from tools import measure_conversation  # noqa: E402
 
 DECODING = {"greedy": [], "sampled T=0.8": ["--temperature", "0.8", "--seed", "1"]}
@@ -49,16 +48,15 @@ def budget_list(text: str) -> list[int]:
 
 def run_generate(a, budget: int, extra: list[str], cg: MemoryCgroup) -> dict:
     """One ``generate`` inside ``cg``."""
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "lever_actors", "generate", "--humaneval",
-                                 str(a.humaneval), "--mode", a.mode, "--dram-budget", f"{budget}MiB",
-                                 "--max-tokens", str(a.max_tokens), *cache_args(a), *extra],
-                                stdout=subprocess.DEVNULL, stderr=err, preexec_fn=cg.preexec,
-                                stdin=subprocess.DEVNULL)
-        rc, peak_rss = wait_peak_rss(proc)
-        err.seek(0)
-        tail = (err.read().strip().splitlines() or [""])[-1][:160]
-    return {"rc": rc, "peak_rss_mib": round(peak_rss / 2**20, 1), "tail": tail}
+    p = subprocess.run([sys.executable, "-m", "lever_actors", "generate", "--humaneval",
+                        str(a.humaneval), "--mode", a.mode, "--dram-budget", f"{budget}MiB",
+                        "--max-tokens", str(a.max_tokens), "--json", *cache_args(a), *extra],
+                       capture_output=True, text=True, preexec_fn=cg.preexec, stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        return {"rc": p.returncode, "tail": (p.stderr.strip().splitlines() or [""])[-1][:160]}
+    out = json.loads(p.stdout)
+    return {"rc": 0, "peak_rss_mib": round(out["peak_rss_bytes"] / 2**20, 1),
+            "tail": f"{len(out['token_ids'])} tokens, {out['timings']['tokens_per_s']:.2f} tok/s, {out['mode']}"}
 
 
 def run_conversations(a, budget: int, cg: MemoryCgroup) -> dict:
