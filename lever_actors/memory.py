@@ -160,6 +160,18 @@ def peak_rss(pid: int | str = "self") -> int:
     raise OSError(f"/proc/{pid}/status has no VmHWM line")
 
 
+def reset_peak_rss() -> None:
+    """Start this process's high-water mark (``VmHWM``) again from its present size (Linux's
+    ``clear_refs`` 5; nothing where that is missing). Called after a one-time setup step, the
+    models' conversion on a first run, so that ``peak_rss`` tells what the serving process holds,
+    which is what ``--dram-budget`` bounds."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 class MemoryCgroup:
     """A child memory cgroup with a hard limit, for running a process inside a cap (tests and tools).
 

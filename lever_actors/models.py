@@ -135,7 +135,7 @@ def fetch(roles=("target", "draft"), say: Callable[[str], None] | None = None) -
     from lever_actors.convert import convert
 
     say = say or (lambda m: print(m, file=sys.stderr, flush=True))
-    out = {}
+    out, converted = {}, False
     for role in roles:
         src = DEFAULT_PAIR[role]
         dst = bundle_path(src)
@@ -151,6 +151,12 @@ def fetch(roles=("target", "draft"), say: Callable[[str], None] | None = None) -
         g = assemble_gguf(src, say)
         dst.parent.mkdir(parents=True, exist_ok=True)
         out[role] = convert(g, dst, progress=say, source_sha256=src.sha256)
+        converted = True
+    if converted:  # a one-time step: what the budget bounds is the process that serves after it
+        from lever_actors.memory import release_memory, reset_peak_rss
+
+        release_memory()
+        reset_peak_rss()
     return out
 
 

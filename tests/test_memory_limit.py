@@ -150,6 +150,9 @@ def test_peak_rss_is_a_process_high_water_mark_since_its_exec():
     assert peak_rss() > 256 * 2**20 > small > 0
     assert large >= small + 90 * 2**20  # the freed buffer still counts: a peak, not the current size
     del ballast
+    # after a setup step (the first run's conversion) the mark starts again from the present size
+    reset = child_peak(touch + "from lever_actors.memory import reset_peak_rss; reset_peak_rss(); ")
+    assert 0 < reset < small + 32 * 2**20
 
 
 def test_cgroup_paths_and_limits_are_read_for_both_versions(tmp_path):
