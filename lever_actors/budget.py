@@ -52,6 +52,8 @@ class BudgetPlan:
         parts = [f"{k} {mib(v)}" for k, v in self.items.items()]
         parts.append(f"{len(self.pinned)} pinned layers {mib(self.pinned_bytes)}")
         parts.append(f"{self.n_slots} stream slots x {mib(self.slot_bytes)}")
+        if self.head_streamed:  # pinned, the head is a line item above (lm_head); streamed, it reads through the slots
+            parts.append("the LM head streamed through them")
         cap = "unlimited" if self.budget is None else mib(self.budget)
         return f"DRAM {mib(self.total)} of {cap}: " + ", ".join(parts) + (f"; {self.trade}" if self.trade else "")
 

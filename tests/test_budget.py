@@ -64,6 +64,7 @@ def test_head_streams_only_when_it_does_not_fit(in_place):
     roomy = plan_budget(400 * MB, {}, layers, head, in_place=in_place)
     tight = plan_budget(int(2 * slot) + MB, {}, layers, head, in_place=in_place)
     assert not roomy.head_streamed and tight.head_streamed and not tight.pinned
+    assert "LM head streamed" in tight.describe() and "LM head streamed" not in roomy.describe()
     with pytest.raises(BudgetError):
         plan_budget(int(2 * slot) - MB, {}, layers, head, in_place=in_place)
 
