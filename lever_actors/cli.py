@@ -333,7 +333,7 @@ def cmd_generate(args) -> int:
         args.prompt, args.prompt_file, args.humaneval = read_prompt(args), None, None
         return generate_via_socket(args)
     from lever_actors.engine import EngineConfig, generate_once
-    from lever_actors.memory import peak_rss
+    from lever_actors.memory import peak_rss, setup_peak_rss
 
     prompt = read_prompt(args)
     cfg = EngineConfig.from_args(args)
@@ -347,10 +347,13 @@ def cmd_generate(args) -> int:
 
     t0 = time.perf_counter()
     result = generate_once(cfg, prompt, args, on_text)
-    peak = peak_rss()  # the whole process at its largest, as the kernel counts it (--dram-budget bounds it)
+    try:  # the process at its largest since any first-run conversion (--dram-budget bounds it)
+        peak, setup = peak_rss(), setup_peak_rss()
+    except OSError:  # no /proc: nothing to report
+        peak = setup = None
     if args.json:
         out = {
-            "peak_rss_bytes": peak,
+            "peak_rss_bytes": peak, "setup_peak_rss_bytes": setup,
             "token_ids": result.token_ids, "text": result.text, "prompt_token_ids": result.prompt_ids,
             "finish_reason": result.finish_reason, "mode": cfg.mode_string(),
             "timings": {"load_s": result.load_s, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
@@ -360,8 +363,12 @@ def cmd_generate(args) -> int:
         print(json.dumps(out))
     else:
         sys.stdout.write("\n")
+        memory = "" if peak is None else f", peak RSS {peak / 2**20:,.0f} MiB"
+        if setup is not None:
+            memory += (f" (the models' conversion before it peaked at {setup / 2**20:,.0f} MiB, outside "
+                       "--dram-budget: `lever-actors models fetch` converts them ahead)")
         print(f"[{len(result.token_ids)} tokens, {result.tokens_per_s:.2f} tok/s, {cfg.mode_string()}, "
-              f"finish: {result.finish_reason}, peak RSS {peak / 2**20:,.0f} MiB]", file=sys.stderr)
+              f"finish: {result.finish_reason}{memory}]", file=sys.stderr)
     return 0
 
 

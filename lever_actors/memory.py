@@ -160,16 +160,28 @@ def peak_rss(pid: int | str = "self") -> int:
     raise OSError(f"/proc/{pid}/status has no VmHWM line")
 
 
+_setup_peak: int | None = None  # the high-water mark before the last reset_peak_rss
+
+
 def reset_peak_rss() -> None:
     """Start this process's high-water mark (``VmHWM``) again from its present size (Linux's
-    ``clear_refs`` 5; nothing where that is missing). Called after a one-time setup step, the
-    models' conversion on a first run, so that ``peak_rss`` tells what the serving process holds,
-    which is what ``--dram-budget`` bounds."""
+    ``clear_refs`` 5; nothing where that is missing), keeping the mark so far for
+    ``setup_peak_rss``. Called after a one-time setup step, the models' conversion on a first run,
+    which ``--dram-budget`` does not bound (``lever-actors models fetch`` does it ahead): the
+    serving process's peak and the setup's are then reported apart."""
+    global _setup_peak
     try:
+        peak = peak_rss()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        pass
+        return
+    _setup_peak = max(_setup_peak or 0, peak)
+
+
+def setup_peak_rss() -> int | None:
+    """The high-water mark a ``reset_peak_rss`` set aside (bytes), or None if there was none."""
+    return _setup_peak
 
 
 class MemoryCgroup:

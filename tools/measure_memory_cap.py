@@ -54,7 +54,10 @@ def run_generate(a, budget: int, extra: list[str], cg: MemoryCgroup) -> dict:
                        capture_output=True, text=True, preexec_fn=cg.preexec, stdin=subprocess.DEVNULL)
     if p.returncode != 0:
         return {"rc": p.returncode, "tail": (p.stderr.strip().splitlines() or [""])[-1][:160]}
-    out = json.loads(p.stdout)
+    try:
+        out = json.loads(p.stdout)
+    except ValueError:
+        return {"rc": 1, "tail": f"exit 0 but no JSON on stdout: {p.stdout[:120]!r}"}
     return {"rc": 0, "peak_rss_mib": round(out["peak_rss_bytes"] / 2**20, 1),
             "tail": f"{len(out['token_ids'])} tokens, {out['timings']['tokens_per_s']:.2f} tok/s, {out['mode']}"}
 
