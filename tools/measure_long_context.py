@@ -6,8 +6,9 @@
 Builds a prompt of ``--prompt-tokens`` tokens from Python's own ``collections`` source, then runs
 ``lever-actors generate`` once per ``--limits`` entry, each inside its own memory cgroup with that
 hard limit (as ``tests/test_memory_limit.py`` does). A limit equal to the budget shows the process
-is never OOM-killed; a looser one lets the kernel's peak show how close to the budget it came.
-Reported per run: exit status, OOM kills, the cgroup's peak, TTFT and decode tokens/s, the plan.
+is never OOM-killed; a looser one lets the process's peak resident set (``VmHWM``) show how close to
+the budget it came. Reported per run: exit status, OOM kills, the process's peak and the cgroup's
+(which adds page cache), TTFT and decode tokens/s, the plan.
 """
 from __future__ import annotations
 
@@ -43,8 +44,10 @@ def run_capped(limit: int, cmd: list[str]) -> dict:
         row = {"limit_bytes": limit, "exit": p.returncode, "oom_kills": cg.oom_kills, "peak_bytes": cg.peak,
                "wall_s": time.time() - t0}
     if p.returncode == 0:
-        st = json.loads(p.stdout)["stats"]
-        row.update(ttft_s=st["ttft_s"], decode_tokens_per_s=st["n_tokens"] / st["decode_s"], plan=st["budget"])
+        out = json.loads(p.stdout)
+        st = out["stats"]
+        row.update(ttft_s=st["ttft_s"], decode_tokens_per_s=st["n_tokens"] / st["decode_s"], plan=st["budget"],
+                   peak_rss_bytes=out.get("peak_rss_bytes"))  # the process's own; peak_bytes adds page cache
     else:
         row["stderr"] = p.stderr[-2000:]
     return row
