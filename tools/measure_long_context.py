@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         for limit in limits:
             runs.append(run_capped(limit, cmd))
             r = runs[-1]
-            print(f"limit {limit / 2**20:.0f} MiB: exit {r['exit']}, OOM kills {r['oom_kills']}, peak "
+            rss = f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, " if r.get("peak_rss_bytes") else ""
+            print(f"limit {limit / 2**20:.0f} MiB: exit {r['exit']}, OOM kills {r['oom_kills']}, {rss}cgroup peak "
                   f"{r['peak_bytes'] / 2**20:.0f} MiB" + (f", TTFT {r['ttft_s']:.1f} s, decode "
                                                          f"{r['decode_tokens_per_s']:.2f} tok/s" if r['exit'] == 0 else ""),
                   file=sys.stderr)
