@@ -572,7 +572,9 @@ def test_sampled_generation_is_reproducible_and_differs_from_greedy(tiny_bundles
     ids = tokenizer(target).encode(PROMPT)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=5)
     for flags in ("", "+no-coupled"):  # coupled, and by rejection (the speculative sampler's own draws)
-        cfg = EngineConfig(context=CONTEXT, dram_budget=_budget_cache(target, draft)).with_mode("flash-chain:3" + flags)
+        # the smallest budget of each (by rejection, the draft's distributions are a line item of their own)
+        mode = "flash-chain:3" + flags
+        cfg = EngineConfig(context=CONTEXT, dram_budget=_min_budget(target, draft, mode)).with_mode(mode)
         a = trio.run(generate, cfg, target, draft, ids, params)[0]
         b = trio.run(generate, cfg, target, draft, ids, params)[0]
         assert a == b
@@ -799,6 +801,23 @@ def test_the_drafters_activations_are_planned_and_grow_with_the_context(tiny_bun
     assert plans[1024].items["draft_activations"] > plans[256].items["draft_activations"]
     alone = build_budget(EngineConfig(mode="flash-ar", context=1024, dram_budget=None), target, None, 0)
     assert "draft_activations" not in alone.items
+
+
+def test_sampling_by_rejection_plans_the_draft_distributions_it_keeps(tiny_bundles):
+    """+no-coupled keeps a whole-vocabulary draft distribution per drafted node (the drafter's tree,
+    its answer, the pass's copy): a line item of the plan, and only there."""
+    from lever_actors.bundle import load_bundle
+    from lever_actors.runtime import DRAFT_DIST_COPIES, build_budget, verify_rows
+
+    target, draft = (load_bundle(b) for b in tiny_bundles)
+    vocab = draft.dims["vocab_size"]
+    for mode in ("lever:16+no-coupled", "flash-chain:4+no-coupled"):
+        cfg = EngineConfig(context=CONTEXT, dram_budget=None).with_mode(mode)
+        plan = build_budget(cfg, target, draft, 0)
+        assert plan.items["draft_dists"] == DRAFT_DIST_COPIES * verify_rows(cfg)[1] * vocab * 4, mode
+    for mode, d in (("lever:16", draft), ("flash-chain:4", draft), ("flash-ar+no-coupled", None)):
+        assert "draft_dists" not in build_budget(EngineConfig(context=CONTEXT, dram_budget=None).with_mode(mode),
+                                                 target, d, 0).items, mode
 
 
 @pytest.mark.parametrize("context", [128, 1024])
