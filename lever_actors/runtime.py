@@ -152,8 +152,8 @@ def build_budget(cfg, target, draft_bundle, draft_bytes: int, extra: dict | None
         items["draft_activations"] = draft_activation_bytes(draft_bundle.dims, cfg.context, draft_columns,
                                                             native=draft_bundle.layout == "native")
         items["draft_kv"] = cfg.context * kv_row_bytes(draft_bundle, draft_bundle.layout, precision)
-        if draft_dist_bytes(cfg, draft_bundle.dims["vocab_size"]):
-            items["draft_dists"] = draft_dist_bytes(cfg, draft_bundle.dims["vocab_size"])
+        if dists := draft_dist_bytes(cfg, draft_bundle.dims["vocab_size"]):
+            items["draft_dists"] = dists
     budget = cfg.dram_budget if cfg.mode != "resident-ar" else None
     if target.layout != "native" and budget is not None:
         raise ConfigError(

@@ -6,11 +6,11 @@ For each budget (MiB) and each of greedy and sampled (T=0.8) decoding, runs
 ``lever-actors generate --humaneval N --mode MODE --dram-budget B`` inside a cgroup
 whose limit is the budget (it must not be OOM-killed) and inside one at 1.25x the
 budget (the process's peak resident set as the kernel keeps it, ``VmHWM``, which
-``generate --json`` reports, must stay within the budget: a hard limit alone cannot show an overrun, since the
-kernel reclaims before it kills). Each row also gives the group's own peak count
-(``memory.max_usage_in_bytes`` / ``memory.peak``), which adds the page cache the run's
-file reads leave behind: in the roomy group that fills what room there is, so it is
-shown, not held to the budget. Needs root and a memory cgroup (v1 or v2).
+``generate --json`` reports, must stay within the budget: a hard limit alone cannot
+show an overrun, since the kernel reclaims before it kills). Each row also gives the
+group's own peak count (``memory.max_usage_in_bytes`` / ``memory.peak``), which adds
+the page cache the run's file reads leave behind: in the roomy group that fills what
+room there is, so it is shown, not held to the budget. Needs root and a memory cgroup (v1 or v2).
 
 With ``--conversations N`` it also runs the daemon (``lever-actors serve``) inside the same two
 cgroups and holds N chats through its socket, their turns interleaved (``--turns`` each, greedy,
