@@ -612,7 +612,8 @@ def generate_via_socket(args: Any) -> int:
     daemon's default) and ``args.json``. Prints text as it streams, or with
     ``--json`` one object at the end: text, token_ids, finish_reason,
     prompt_tokens, stats, timings, request_id (the protocol does not return
-    prompt token ids). Exit status: 0 done, 1 no daemon, bad input or request
+    prompt token ids) and peak_rss_bytes (the daemon's own, which
+    ``--dram-budget`` bounds); without it, a summary line on stderr. Exit status: 0 done, 1 no daemon, bad input or request
     refused, 130 interrupted.
     """
     as_json = bool(getattr(args, "json", False))
@@ -629,9 +630,12 @@ def generate_via_socket(args: Any) -> int:
     except KeyboardInterrupt:
         print("", file=sys.stderr)
         return 130
+    peak = result.stats.get("peak_rss_bytes")  # the daemon's, as a local generate reports its own
     if as_json:
-        print(json.dumps(asdict(result), sort_keys=True))
+        print(json.dumps({**asdict(result), "peak_rss_bytes": peak}, sort_keys=True))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
+        memory = "" if peak is None else f", the daemon's peak RSS {peak / 2**20:,.0f} MiB"
+        print(f"[{len(result.token_ids)} tokens, finish: {result.finish_reason}{memory}]", file=sys.stderr)
     return 0

@@ -102,7 +102,9 @@ seed?: int | nil, stop?: [str] = [], mode?: str | nil, cache_prompt?: bool = tru
     computed), ``ttft_s`` and ``prompt_cache_bytes`` (what the copies hold
     now), and for a sampled request ``seed`` (the one given, or the one drawn
     for a request without one: asking again with it gives the same text) (a
-    backend may omit or add keys). ``cache_prompt: false`` computes the whole prompt; the
+    backend may omit or add keys); the daemon adds ``peak_rss_bytes``, its own
+    process's peak resident set so far (``VmHWM``, what ``--dram-budget``
+    bounds; absent where ``/proc`` does not say). ``cache_prompt: false`` computes the whole prompt; the
     output is the same either way.
     ``timings`` holds ``queue_s``, ``first_token_s`` (nil if none),
     ``generate_s`` and ``total_s``, measured from receipt. A cancelled
@@ -123,8 +125,9 @@ seed?: int | nil, stop?: [str] = [], mode?: str | nil, cache_prompt?: bool = tru
     cancelled, failed, rejected_busy, rejected_invalid},
     ``tokens_generated``, ``protocol_errors``, ``internal_errors``,
     ``backend`` (sums of the additive backend stats, with
-    ``flash_bytes_per_token`` and ``mean_accepted`` derived from them) and
-    ``pool`` (the backend's buffer accounting). With a
+    ``flash_bytes_per_token`` and ``mean_accepted`` derived from them),
+    ``pool`` (the backend's buffer accounting) and ``peak_rss_bytes`` (as in
+    a generate response's stats; nil where ``/proc`` does not say). With a
     ``request_id`` of this connection (in flight or among its last 256
     finished): also ``"request": {request_id, state, prompt_tokens,
     n_tokens, max_tokens, finish_reason, stats, timings}``, ``state`` being

@@ -19,6 +19,7 @@ import pytest
 
 from fake_backend import expected_tokens, params, raw_blocking_request
 from lever_actors.client import SyncClient, check_status, generate_via_socket
+from lever_actors.memory import peak_rss
 
 TESTS = Path(__file__).parent
 PYTHONPATH = os.pathsep.join(filter(None, [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH")]))
@@ -220,6 +221,16 @@ def test_lever_actors_serve_and_generate_commands_work_together(tmp_path):
         assert run.returncode == 0, run.stderr
         out = json.loads(run.stdout)
         assert out["finish_reason"] == "length" and len(out["token_ids"]) == 6
+        # the peak is the daemon's own (what --dram-budget bounds), not this client's
+        daemon_peak = peak_rss(proc.pid)
+        assert out["peak_rss_bytes"] == out["stats"]["peak_rss_bytes"]
+        assert 0 < out["peak_rss_bytes"] <= daemon_peak
+        run = subprocess.run([sys.executable, "-m", "lever_actors", "generate", "--socket", str(sock),
+                              "--max-tokens", "3", "def add(a, b):"], capture_output=True, text=True, env=env,
+                             timeout=READY_S)
+        assert run.returncode == 0 and "[3 tokens, finish: length, the daemon's peak RSS " in run.stderr, run.stderr
+        with SyncClient(sock) as client:
+            assert client.stats()["daemon"]["peak_rss_bytes"] >= out["peak_rss_bytes"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(EXIT_S) == 0
         assert not sock.exists() and not sock.with_suffix(".json").exists()
