@@ -333,7 +333,7 @@ def cmd_generate(args) -> int:
         args.prompt, args.prompt_file, args.humaneval = read_prompt(args), None, None
         return generate_via_socket(args)
     from lever_actors.engine import EngineConfig, generate_once
-    from lever_actors.memory import peak_rss, setup_peak_rss
+    from lever_actors.memory import peak_rss_or_none, setup_peak_rss
 
     prompt = read_prompt(args)
     cfg = EngineConfig.from_args(args)
@@ -347,10 +347,9 @@ def cmd_generate(args) -> int:
 
     t0 = time.perf_counter()
     result = generate_once(cfg, prompt, args, on_text)
-    try:  # the process at its largest since any first-run conversion (--dram-budget bounds it)
-        peak, setup = peak_rss(), setup_peak_rss()
-    except OSError:  # no /proc: nothing to report
-        peak = setup = None
+    # the process at its largest since any first-run conversion (--dram-budget bounds it); None without /proc
+    peak = peak_rss_or_none()
+    setup = setup_peak_rss() if peak is not None else None
     if args.json:
         out = {
             "peak_rss_bytes": peak, "setup_peak_rss_bytes": setup,

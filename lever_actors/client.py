@@ -613,8 +613,9 @@ def generate_via_socket(args: Any) -> int:
     ``--json`` one object at the end: text, token_ids, finish_reason,
     prompt_tokens, stats, timings, request_id (the protocol does not return
     prompt token ids) and peak_rss_bytes (the daemon's own, which
-    ``--dram-budget`` bounds); without it, a summary line on stderr. Exit status: 0 done, 1 no daemon, bad input or request
-    refused, 130 interrupted.
+    ``--dram-budget`` bounds); without it, a summary line on stderr. Exit
+    status: 0 done, 1 no daemon, bad input or request refused, 130
+    interrupted.
     """
     as_json = bool(getattr(args, "json", False))
     try:

@@ -42,7 +42,7 @@ from lever_actors.client import default_socket_path
 from lever_actors.daemon_files import SocketFiles
 from lever_actors.errors import ConfigError, ContextOverflow, DaemonAlreadyRunning, FlashFault, LeverError, first_leaf
 from lever_actors.http_front import HttpConfig, HttpFront, parse_address
-from lever_actors.memory import peak_rss
+from lever_actors.memory import peak_rss_or_none
 from protocols import rpc
 from protocols.rpc import ErrorCode, RpcError
 
@@ -206,7 +206,7 @@ class Engine:
         else:
             job.state, job.finish_reason = "done", outcome.finish_reason
             job.stats = dict(outcome.stats)
-            peak = _peak_rss()
+            peak = peak_rss_or_none()
             if peak is not None:  # what --dram-budget bounds: the serving process, not the client's
                 job.stats["peak_rss_bytes"] = peak
             if "".join(job.texts) != outcome.text or job.token_ids != list(outcome.token_ids):
@@ -592,15 +592,7 @@ class Daemon:
                                                 "rejected_busy", "rejected_invalid")},
                 "tokens_generated": c["tokens_generated"], "protocol_errors": c["protocol_errors"],
                 "internal_errors": c["internal_errors"], "backend": totals,
-                "pool": self.backend.pool_stats(), "peak_rss_bytes": _peak_rss()}
-
-
-def _peak_rss() -> int | None:
-    """This process's peak resident set so far (``VmHWM``), or None where ``/proc`` does not say."""
-    try:
-        return peak_rss()
-    except OSError:
-        return None
+                "pool": self.backend.pool_stats(), "peak_rss_bytes": peak_rss_or_none()}
 
 
 async def serve(config: ServeConfig, backend: Backend, *, files: SocketFiles | None = None,

@@ -160,6 +160,14 @@ def peak_rss(pid: int | str = "self") -> int:
     raise OSError(f"/proc/{pid}/status has no VmHWM line")
 
 
+def peak_rss_or_none(pid: int | str = "self") -> int | None:
+    """:func:`peak_rss`, or None where ``/proc`` does not say (the caller reports no peak)."""
+    try:
+        return peak_rss(pid)
+    except OSError:
+        return None
+
+
 _setup_peak: int | None = None  # the high-water mark before the last reset_peak_rss
 
 

@@ -102,9 +102,10 @@ seed?: int | nil, stop?: [str] = [], mode?: str | nil, cache_prompt?: bool = tru
     computed), ``ttft_s`` and ``prompt_cache_bytes`` (what the copies hold
     now), and for a sampled request ``seed`` (the one given, or the one drawn
     for a request without one: asking again with it gives the same text) (a
-    backend may omit or add keys); the daemon adds ``peak_rss_bytes``, its own
-    process's peak resident set so far (``VmHWM``, what ``--dram-budget``
-    bounds; absent where ``/proc`` does not say). ``cache_prompt: false`` computes the whole prompt; the
+    backend may omit or add keys); to a completed request's stats the daemon
+    adds ``peak_rss_bytes``, its own process's peak resident set so far
+    (``VmHWM``, what ``--dram-budget`` bounds; absent where ``/proc`` does not
+    say). ``cache_prompt: false`` computes the whole prompt; the
     output is the same either way.
     ``timings`` holds ``queue_s``, ``first_token_s`` (nil if none),
     ``generate_s`` and ``total_s``, measured from receipt. A cancelled

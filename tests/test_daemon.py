@@ -20,6 +20,7 @@ from lever_actors.backend import GenerateOutcome
 from lever_actors.client import DaemonAlreadyRunning, read_status
 from lever_actors.daemon import ServeConfig, serve
 from lever_actors.errors import ConfigError
+from lever_actors.memory import peak_rss
 from protocols.rpc import ErrorCode
 
 
@@ -63,6 +64,25 @@ async def test_streamed_chunks_add_up_to_the_final_result(tmp_path):
         assert result["stats"]["n_tokens"] == 40 and result["stats"]["passes"] == len(notes)
         assert set(result["timings"]) == {"queue_s", "first_token_s", "generate_s", "total_s"}
         assert daemon.backend.pool_stats()["buffers_free"] == 4
+
+
+@trio_autojump
+async def test_the_daemons_own_peak_is_in_its_answers_and_left_out_where_proc_does_not_say(tmp_path, monkeypatch):
+    async with running_daemon(tmp_path / "d.sock"):
+        conn = await RawConnection.open(tmp_path / "d.sock")
+        _, response = await conn.request(1, "generate", {"prompt": "def add(a, b):", "max_tokens": 3})
+        peak = response[3]["stats"]["peak_rss_bytes"]
+        _, stats = await conn.request(2, "stats")
+        assert 0 < peak <= stats[3]["daemon"]["peak_rss_bytes"] <= peak_rss()  # the daemon is this process
+
+        def no_proc(pid="self"):
+            raise FileNotFoundError(f"/proc/{pid}/status")
+
+        monkeypatch.setattr("lever_actors.memory.peak_rss", no_proc)
+        _, response = await conn.request(3, "generate", {"prompt": "def add(a, b):", "max_tokens": 3})
+        assert "peak_rss_bytes" not in response[3]["stats"] and response[3]["stats"]["n_tokens"] == 3
+        _, stats = await conn.request(4, "stats")
+        assert stats[3]["daemon"]["peak_rss_bytes"] is None
 
 
 @trio_autojump
