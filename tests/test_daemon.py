@@ -73,7 +73,10 @@ async def test_the_daemons_own_peak_is_in_its_answers_and_left_out_where_proc_do
         _, response = await conn.request(1, "generate", {"prompt": "def add(a, b):", "max_tokens": 3})
         peak = response[3]["stats"]["peak_rss_bytes"]
         _, stats = await conn.request(2, "stats")
-        assert 0 < peak <= stats[3]["daemon"]["peak_rss_bytes"] <= peak_rss()  # the daemon is this process
+        # the daemon is this process (VmHWM readings a moment apart may differ by some pages: the kernel
+        # folds each thread's RSS count in lazily)
+        slack = 2**20
+        assert 0 < peak <= stats[3]["daemon"]["peak_rss_bytes"] + slack <= peak_rss() + 2 * slack
 
         def no_proc(pid="self"):
             raise FileNotFoundError(f"/proc/{pid}/status")
