@@ -216,6 +216,9 @@ class _Collector:
         yield GaugeMetricFamily("lever_queue_length", "requests waiting", value=stats["queue_length"])
         yield GaugeMetricFamily("lever_queue_depth", "requests that may wait", value=stats["queue_depth"])
         yield GaugeMetricFamily("lever_requests_running", "requests generating", value=int(stats["running"]))
+        if stats.get("peak_rss_bytes") is not None:  # what --dram-budget bounds
+            yield GaugeMetricFamily("lever_peak_resident_bytes", "the daemon process's peak resident set (VmHWM)",
+                                    value=stats["peak_rss_bytes"])
 
 
 class _HttpConnection:

@@ -156,6 +156,7 @@ def test_models_health_and_metrics(server):
                                   "lever_spec_decode_num_accepted_tokens_total", "lever_requests_total")]
     assert all(a > b for a, b in zip(after, before)), (before, after)
     assert "lever_queue_length" in httpx.get(server.url + "/metrics").text
+    assert counter("lever_peak_resident_bytes") > 2**20  # the daemon's VmHWM, which --dram-budget bounds
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
