@@ -29,12 +29,18 @@
 #if defined(LEVER_AVX2) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LEVER_AVX512 1
 #endif
+#if defined(LEVER_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LEVER_AMX 1
+#endif
 
-enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3, T_Q5_0 = 4, T_Q5_0R = 5, T_Q4_0 = 6, T_Q4_0R = 7 };
+enum { T_Q4_K = 0, T_Q6_K = 1, T_Q8_0 = 2, T_F32 = 3, T_Q5_0 = 4, T_Q5_0R = 5, T_Q4_0 = 6, T_Q4_0R = 7, T_Q4_0T = 8 };
 /* T_Q5_0R: Q5_0 rows whose block pairs a resident model rearranged in place (q5_0_pair_repack).
  * T_Q4_0: the draft's matrices requantized at load (requantize_q4_0), never the target's; T_Q4_0R: those rows
  * with their block pairs rearranged like Q5_0R (AVX-512 builds, q32_pairs) */
-#define T_LAST T_Q4_0R
+/* T_Q4_0T: the draft's Q4_0 matrices in strips of 16 rows laid out for AMX tiles (see tile_q4_0) */
+#define T_LAST T_Q4_0T
 #define QK 256
 #define KLANES 16 /* floats each K-quant output keeps per activation row until its final sum */
 /* Activation rows the K-quant row kernels (AVX2 and AVX-512) take at once; more go KQ_MAX at a time over slices of
@@ -93,7 +99,8 @@ static size_t row_bytes(int type, int64_t k) {
     case T_Q5_0:
     case T_Q5_0R: return (size_t)(k / 32) * 22;
     case T_Q4_0:
-    case T_Q4_0R: return (size_t)(k / 32) * 18;
+    case T_Q4_0R:
+    case T_Q4_0T: return (size_t)(k / 32) * 18;
     default: return (size_t)k * 4;
     }
 }
@@ -937,6 +944,186 @@ static void few_rows_q32_512(int type, const uint8_t *w, size_t rb, int64_t j0, 
 #undef Q32_ROWS
 #endif
 
+/* ---------------------------------------------- Q4_0T: the draft's Q4_0 for AMX tiles
+ *
+ * Why: at three activation rows the draft's Q4_0 layers were bound by the vector units (unpacking,
+ * then four instructions per pair of blocks and activation row), 27 ms a level where its 201 MB
+ * read at this core's bandwidth take 12. AMX computes a block's integer dot for 16 weight rows and
+ * up to 16 activation rows in one instruction, so the vector units are left with unpacking nibbles
+ * and one fused add per block, weight row strip and activation row.
+ *
+ * Layout: rows in strips of 16 (a matrix of Q4_0T has a multiple of 16 rows); a strip's blocks in
+ * order, each 288 bytes: 256 bytes of codes, then the 16 rows' f16 scales. Byte 4r + j of the
+ * codes' 64-byte chunk c holds, in its low nibble, the code of element 8c + j of row r's block and,
+ * in its high nibble, that of element 8c + 4 + j: the low nibbles of a chunk are then row 2c of the
+ * tile TDPBSUD takes as its weights (8 rows of 16 x 4 bytes), the high nibbles row 2c + 1. Same
+ * bytes as Q4_0: 18 a row and block.
+ *
+ * Arithmetic (every path, the same bits): output (i, r) = the fused adds over blocks b in order of
+ * (float) p_b times (row r's scale of b times activation row i's scale of b's group), from 0, where
+ * p_b is the exact integer dot of the block's codes and activations minus 8 times the activations'
+ * block sum. One chain per output: no lanes to join, unlike the Q4_0R kernels, so its bits differ
+ * from Q4_0's; a draft's only (its proposals, never the output, depend on it). */
+static inline int q4_0t_code(const uint8_t *codes, int r, int e) {
+    const int c = e / 8, hi = (e / 4) & 1;
+    return (codes[64 * c + 4 * r + e % 4] >> (4 * hi)) & 15;
+}
+
+/* Q4_0 rows [16t, 16t + 16) of k columns to strip t of Q4_0T, and back */
+static void q4_0t_strip(uint8_t *q4, int64_t k, uint8_t *strip, int to_tiled) {
+    const size_t rb = row_bytes(T_Q4_0, k);
+    for (int64_t b = 0; b < k / 32; b++) {
+        uint8_t *t = strip + (size_t)b * 288;
+        for (int r = 0; r < 16; r++) {
+            uint8_t *blk = q4 + (size_t)r * rb + (size_t)b * 18;
+            if (to_tiled) {
+                memcpy(t + 256 + 2 * r, blk, 2);
+                for (int e = 0; e < 32; e++) {
+                    const int code = e < 16 ? blk[2 + e] & 15 : blk[2 + e - 16] >> 4;
+                    const int c = e / 8, hi = (e / 4) & 1;
+                    uint8_t *byte = t + 64 * c + 4 * r + e % 4;
+                    *byte = (uint8_t)(hi ? (*byte & 0x0F) | (code << 4) : (*byte & 0xF0) | code);
+                }
+            } else {
+                memcpy(blk, t + 256 + 2 * r, 2);
+                for (int e = 0; e < 16; e++)
+                    blk[2 + e] = (uint8_t)(q4_0t_code(t, r, e) | (q4_0t_code(t, r, e + 16) << 4));
+            }
+        }
+    }
+}
+
+/* -8 times each activation row's block sums: q4t_bias[i * (k / 32) + b] */
+static void q4_0t_bias(const int8_t *q, int64_t k, int64_t n, int32_t *bias) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t b = 0; b < k / 32; b++) {
+            int32_t sum = 0;
+            for (int e = 0; e < 32; e++) sum += q[i * k + 32 * b + e];
+            bias[i * (k / 32) + b] = -8 * sum;
+        }
+}
+
+static void q4_0t_portable(const uint8_t *w, int64_t k, int64_t t0, int64_t t1, int64_t n, const int8_t *q,
+                           const float *d, const int32_t *bias, float *out, int64_t stride) {
+    const int64_t nb = k / 32, nsb = n_groups(k);
+    for (int64_t t = t0; t < t1; t++)
+        for (int r = 0; r < 16; r++)
+            for (int64_t i = 0; i < n; i++) {
+                float v = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t *blk = w + ((size_t)t * nb + b) * 288;
+                    const int8_t *a = q + i * k + 32 * b;
+                    int32_t p = bias[i * nb + b];
+                    for (int e = 0; e < 32; e++) p += a[e] * q4_0t_code(blk, r, e);
+                    v = fmaf((float)p, f16_to_f32(blk + 256 + 2 * r) * d[i * nsb + 32 * b / QK], v);
+                }
+                out[i * stride + 16 * t + r] = v;
+            }
+}
+
+#ifdef LEVER_AMX
+/* AMX needs the kernel's leave once per process (Linux keeps tile state out of threads that did not ask) */
+static int amx_granted = 0, amx_on = 0;
+static void amx_request(void) {
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    amx_on = amx_granted;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Three strips at once: tile 1 holds n activation rows of one block, tiles 3, 5, 7 the strips'
+ * unpacked codes, tiles 2, 4, 6 their integer dots. One strip at a time left the unit waiting on
+ * each block's tile store and reload (7 GB/s from DRAM); three independent chains read at 18-20,
+ * the core's bandwidth. */
+#define Q4T_STRIPS 3
+static inline __attribute__((always_inline)) void q4_0t_strips_amx(
+        const uint8_t *w, int64_t k, int64_t t, const int S, const int N, const int8_t *q, const float *d,
+        const int32_t *bias, float *out, int64_t stride, int64_t t_end) {
+    const int64_t nb = k / 32, nsb = n_groups(k);
+    uint8_t codes[Q4T_STRIPS][512] __attribute__((aligned(64)));
+    int32_t dots[Q4T_STRIPS][16 * 16] __attribute__((aligned(64)));
+    __m512 v[Q4T_STRIPS][16];
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i < N; i++) v[s][i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        _tile_loadd(1, q + 32 * b, k);
+        for (int s = 0; s < S; s++) {
+            const uint8_t *p = w + ((size_t)(t + s) * nb + b) * 288;
+            if (t + s + 4 < t_end) /* the same block four strips on: 16-17 GB/s against 14-15 without (the draft's 896 x 4864) */
+                for (int o = 0; o < 288; o += 64) __builtin_prefetch(p + 4 * nb * 288 + o, 0, 3);
+            for (int c = 0; c < 4; c++) {
+                const __m512i x = _mm512_loadu_si512(p + 64 * c);
+                _mm512_store_si512(codes[s] + 128 * c, _mm512_and_si512(x, low));
+                _mm512_store_si512(codes[s] + 128 * c + 64, _mm512_and_si512(_mm512_srli_epi16(x, 4), low));
+            }
+        }
+        _tile_zero(2); _tile_loadd(3, codes[0], 64); _tile_dpbsud(2, 1, 3); _tile_stored(2, dots[0], 64);
+        if (S > 1) { _tile_zero(4); _tile_loadd(5, codes[1], 64); _tile_dpbsud(4, 1, 5); _tile_stored(4, dots[1], 64); }
+        if (S > 2) { _tile_zero(6); _tile_loadd(7, codes[2], 64); _tile_dpbsud(6, 1, 7); _tile_stored(6, dots[2], 64); }
+        for (int s = 0; s < S; s++) {
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + ((size_t)(t + s) * nb + b) * 288 + 256)));
+            for (int i = 0; i < N; i++) {
+                const __m512i p = _mm512_add_epi32(_mm512_load_si512(dots[s] + 16 * i), _mm512_set1_epi32(bias[i * nb + b]));
+                v[s][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, _mm512_set1_ps(d[i * nsb + 32 * b / QK])), v[s][i]);
+            }
+        }
+    }
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i < N; i++) _mm512_storeu_ps(out + i * stride + 16 * (t + s), v[s][i]);
+}
+
+#define Q4T_ROWS(S)                                                                                       \
+    switch (m) {                                                                                          \
+    case 1: q4_0t_strips_amx(w, k, t, S, 1, qi, di, bi, oi, stride, t1); break;                           \
+    case 2: q4_0t_strips_amx(w, k, t, S, 2, qi, di, bi, oi, stride, t1); break;                           \
+    case 3: q4_0t_strips_amx(w, k, t, S, 3, qi, di, bi, oi, stride, t1); break;                           \
+    case 4: q4_0t_strips_amx(w, k, t, S, 4, qi, di, bi, oi, stride, t1); break;                           \
+    default: q4_0t_strips_amx(w, k, t, S, m, qi, di, bi, oi, stride, t1); break;                          \
+    }
+
+/* Strips [t0, t1) against n activation rows, 16 at a time (a tile's rows) */
+static void q4_0t_amx(const uint8_t *w, int64_t k, int64_t t0, int64_t t1, int64_t n, const int8_t *q,
+                      const float *d, const int32_t *bias, float *out, int64_t stride) {
+    const int64_t nb = k / 32, nsb = n_groups(k);
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int m = n - i0 < 16 ? (int)(n - i0) : 16;
+        TileConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        cfg.rows[1] = (uint8_t)m; cfg.colsb[1] = 32;
+        for (int c = 2; c < 8; c += 2) {
+            cfg.rows[c] = (uint8_t)m; cfg.colsb[c] = 64;   /* dots: m x 16 int32 */
+            cfg.rows[c + 1] = 8; cfg.colsb[c + 1] = 64;    /* codes: 8 x 64 bytes */
+        }
+        _tile_loadconfig(&cfg);
+        const int8_t *qi = q + i0 * k;
+        const float *di = d + i0 * nsb;
+        const int32_t *bi = bias + i0 * nb;
+        float *oi = out + i0 * stride;
+        int64_t t = t0;
+        for (; t + Q4T_STRIPS <= t1; t += Q4T_STRIPS) { Q4T_ROWS(Q4T_STRIPS) }
+        for (; t < t1; t++) { Q4T_ROWS(1) }
+        _tile_release();
+    }
+}
+#undef Q4T_ROWS
+#endif
+
+/* Strips [t0, t1) of a Q4_0T matrix: AMX where the kernel granted it (and tests did not turn it off) */
+static void q4_0t_rows(const uint8_t *w, int64_t k, int64_t t0, int64_t t1, int64_t n, const int8_t *q,
+                       const float *d, const int32_t *bias, float *out, int64_t stride) {
+#ifdef LEVER_AMX
+    if (amx_on) { q4_0t_amx(w, k, t0, t1, n, q, d, bias, out, stride); return; }
+#endif
+    q4_0t_portable(w, k, t0, t1, n, q, d, bias, out, stride);
+}
+
 /* One 256-block of weight row `b` against activation rows [0, n): acc[i] += block dot.
  * The float combination below is the only float arithmetic of the int8 path. */
 static void block_q8(int type, const uint8_t *b, int64_t s, int64_t k, int64_t n, const int8_t *q, const float *d,
@@ -1205,6 +1392,7 @@ typedef struct {
     const int32_t *bsums;
     const int16_t *bs16; /* bsums as int16 (the width llama.cpp's q8_K keeps them in), for the SIMD K-quant kernels */
     const int32_t *corr; /* lane sums times the code bias, for the AVX-512 few-row 32-block kernel */
+    const int32_t *bias; /* Q4_0T: -8 times the activations' block sums (q4_0t_bias) */
     const float *x; /* fp32 path when non-NULL */
     float *out;
     int64_t out_stride;
@@ -1225,6 +1413,10 @@ static void *run_job(void *arg) {
     Job *jb = (Job *)arg;
     const size_t rb = row_bytes(jb->type, jb->k);
     const int64_t nsb = n_groups(jb->k), n = jb->n > 0 ? jb->n : 1;
+    if (jb->type == T_Q4_0T) { /* rows j0 and j1 are whole strips (run_split) */
+        q4_0t_rows(jb->w, jb->k, jb->j0 / 16, jb->j1 / 16, jb->n, jb->q, jb->d, jb->bias, jb->out, jb->out_stride);
+        return NULL;
+    }
 #ifdef LEVER_AVX2
     if (jb->corr) {
         /* the few-row 32-block kernel (AVX-512: Q8_0 / Q5_0 / Q5_0R / Q4_0; AVX2: Q5_0R), more than four rows
@@ -1394,15 +1586,17 @@ static int clamp_threads(int threads, int64_t work, int64_t min_per_thread) {
     return threads < 1 ? 1 : threads;
 }
 
-/* Split weight rows [0, m) across `threads` (each row's reduction stays in one thread). */
+/* Split weight rows [0, m) across `threads` (each row's reduction stays in one thread; Q4_0T's
+ * strips of 16 rows stay whole). */
 static int run_split(Job proto, int64_t m, int threads) {
     threads = clamp_threads(threads, m, 64);  /* at least 64 rows per thread */
+    const int64_t unit = proto.type == T_Q4_0T ? 16 : 1;
     Job jobs[16];
     int failed = 0;
     for (int t = 0; t < threads; t++) {
         jobs[t] = proto;
-        jobs[t].j0 = m * t / threads;
-        jobs[t].j1 = m * (t + 1) / threads;
+        jobs[t].j0 = m / unit * t / threads * unit;
+        jobs[t].j1 = m / unit * (t + 1) / threads * unit;
     }
     run_jobs(run_job, jobs, sizeof(Job), threads);
     for (int t = 0; t < threads; t++) failed |= jobs[t].failed;
@@ -1472,6 +1666,10 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 #ifndef LEVER_AVX512
     if (type == T_Q4_0R) { PyErr_SetString(PyExc_ValueError, "repacked Q4_0 needs the AVX-512 kernels"); goto done; }
 #endif
+    if (type == T_Q4_0T && (have_x || m % 16)) {
+        PyErr_Format(PyExc_ValueError, "tiled Q4_0 takes int8 activations and a multiple of 16 rows (got %zd)", m);
+        goto done;
+    }
     const Py_ssize_t g = n_groups(k);
     if (type == T_F32 && !have_x) { PyErr_SetString(PyExc_TypeError, "F32 weights need fp32 activations"); goto done; }
     if (!need(&w, m * (Py_ssize_t)row_bytes(type, k), "weights") || !need(&out, ((n - 1) * stride + m) * 4, "out"))
@@ -1481,6 +1679,11 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         goto done;
     int16_t *bs16 = NULL; /* converted once here, not in every thread */
     int32_t *corr = NULL; /* likewise */
+    int32_t *bias = NULL; /* likewise */
+    if (type == T_Q4_0T && n > 0) {
+        if (!(bias = malloc(sizeof(int32_t) * (size_t)(n * (k / 32))))) { PyErr_NoMemory(); goto done; }
+        q4_0t_bias(q.buf, k, n, bias);
+    }
 #ifdef LEVER_AVX2
     if (!have_x && is_kquant(type) && n > 0) {
         if (!(bs16 = malloc(sizeof(int16_t) * (size_t)(n * g * (type == T_Q4_K ? 8 : 16))))) { PyErr_NoMemory(); goto done; }
@@ -1501,13 +1704,14 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         if (!(corr = malloc(sizeof(int32_t) * (size_t)(n * (k / 4))))) { PyErr_NoMemory(); goto done; }
         q32_corrections(type, q.buf, k, n, corr);
     }
-    Job job = {type, w.buf, k, n, 0, m, q.buf, d.buf, bs.buf, bs16, corr, have_x ? x.buf : NULL, out.buf, stride, 0};
+    Job job = {type, w.buf, k, n, 0, m, q.buf, d.buf, bs.buf, bs16, corr, bias, have_x ? x.buf : NULL, out.buf, stride, 0};
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = run_split(job, m, threads);
     Py_END_ALLOW_THREADS
     free(bs16);
     free(corr);
+    free(bias);
     if (failed) { PyErr_NoMemory(); goto done; }
     ret = Py_None;
     Py_INCREF(ret);
@@ -1952,6 +2156,7 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iy*nnw*", &type, &w, &n, &k, &out)) return NULL;
     PyObject *ret = NULL;
     if (!known_rows(type, k)) goto done;
+    if (type == T_Q4_0T) { PyErr_SetString(PyExc_ValueError, "tiled Q4_0 rows are dequantized after tile_q4_0(..., False)"); goto done; }
     if (!need(&w, n * (Py_ssize_t)row_bytes(type, k), "rows") || !need(&out, n * k * 4, "out")) goto done;
     const size_t rb = row_bytes(type, k), block = group_bytes(type);
     for (Py_ssize_t i = 0; i < n; i++)
@@ -2047,6 +2252,41 @@ done:
     return ret;
 }
 
+/* tile_q4_0(src, n, k, dst, to_tiled): n Q4_0 rows (a multiple of 16) of k columns to Q4_0T in dst, or back */
+static PyObject *py_tile_q4_0(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    Py_ssize_t n, k;
+    int to_tiled;
+    if (!PyArg_ParseTuple(args, "y*nnw*p", &src, &n, &k, &dst, &to_tiled)) return NULL;
+    PyObject *ret = NULL;
+    if (k % 32 || n % 16) { PyErr_Format(PyExc_ValueError, "tiled Q4_0 needs rows in 16s of a multiple of 32 columns, got %zd x %zd", n, k); goto done; }
+    const Py_ssize_t bytes = n * (Py_ssize_t)row_bytes(T_Q4_0, k);
+    if (!need(&src, bytes, "src") || !need(&dst, bytes, "dst")) goto done;
+    const size_t strip = 16 * row_bytes(T_Q4_0, k);
+    for (Py_ssize_t t = 0; t < n / 16; t++) {
+        if (to_tiled) q4_0t_strip((uint8_t *)src.buf + t * strip, k, (uint8_t *)dst.buf + t * strip, 1);
+        else q4_0t_strip((uint8_t *)dst.buf + t * strip, k, (uint8_t *)src.buf + t * strip, 0);
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return ret;
+}
+
+/* amx(on): whether Q4_0T matmuls use AMX from now on (on: -1 only asks; 0 the portable path, for tests) */
+static PyObject *py_amx(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "i", &on)) return NULL;
+#ifdef LEVER_AMX
+    if (on >= 0) amx_on = on && amx_granted;
+    return PyBool_FromLong(amx_on);
+#else
+    return PyBool_FromLong(0);
+#endif
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *args) {
 #if defined(LEVER_AVX512)
     return PyUnicode_FromString("avx512-vnni");
@@ -2068,10 +2308,17 @@ static PyMethodDef methods[] = {
     {"dequantize", py_dequantize, METH_VARARGS, "GGUF rows to float32"},
     {"simd", py_simd, METH_NOARGS, "which code path was compiled"},
     {"requantize_q4_0", py_requantize_q4_0, METH_VARARGS, "rows of any weight type to Q4_0 (gguf's reference quantizer)"},
+    {"tile_q4_0", py_tile_q4_0, METH_VARARGS, "Q4_0 rows to the AMX strips of Q4_0T, or back"},
+    {"amx", py_amx, METH_VARARGS, "whether Q4_0T matmuls use AMX (and turn it on or off)"},
     {"repack_pairs", py_repack_pairs, METH_VARARGS, "Q5_0 / Q4_0 rows to the SIMD kernels' pair layout in place, or back"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "lever-actors native kernels", -1, methods};
 
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kernels(void) {
+#ifdef LEVER_AMX
+    amx_request();
+#endif
+    return PyModule_Create(&module);
+}

@@ -104,6 +104,9 @@ ABLATIONS = (
     ("no-mid-level-cut", "at a commit that none of lever's drafts ahead assumed, the level being drafted finishes "
                          "before the commit cut stops every tree, instead of stopping between two draft layers "
                          "(the next tree, which the pass waits for, is drafted behind it)"),
+    ("no-draft-tiles", "lever's Q4_0 draft computes with the AVX-512 kernels instead of AMX tiles (where the CPU has "
+                       "AMX; the tiles' arithmetic sums a block's products in one integer, so the draft's numbers "
+                       "differ in the last bits, and the target still decides every token)"),
 )
 
 
@@ -112,7 +115,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, default_mode: str | None) -> N
     g.add_argument("--mode", default=default_mode, metavar="MODE",
                    help="resident-ar | flash-ar | flash-chain[:GAMMA] | flash-tree[:NODES] | lever[:NODES], "
                         "optionally +no-overlap / +no-auto-schedule / +no-turns-veto / +fixed-tree / +no-prune / +no-vocab-trim / +no-draft-q4 / +no-adaptive-depth / +no-ngram / "
-                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline / +no-coupled / +no-stream-head / +no-mid-level-cut "
+                        "+no-multi-outcome / +no-commit-cut / +runner-up / +exit-predict / +draft-until-commit / +no-core-borrow / +no-core-lend / +no-calibrated-ahead / +marginal-depth / +level-deadline / +no-coupled / +no-stream-head / +no-mid-level-cut / +no-draft-tiles "
                         + (f"(default {default_mode}, the fastest mode measured)" if default_mode else
                            "(default resident-ar; with --socket, the daemon's mode)"))
     g.add_argument("--dram-budget", default=None, metavar="SIZE",

@@ -86,10 +86,11 @@ class SubsetHead:
     ``ids`` is the calibrated subset followed by the current prompt's tokens outside it
     (:meth:`set_prompt`); those few rows are read from the bundle file per request, so
     the full head never occupies DRAM. ``requantize``: the rows become Q4_0 as lever's draft layers
-    do (``kernels.requantized_q4_0``; 18 bytes per 32 weights against the stored Q8_0's 34).
+    do (``kernels.requantized_q4_0``; 18 bytes per 32 weights against the stored Q8_0's 34), in AMX
+    tile strips where ``tiles``.
     """
 
-    def __init__(self, bundle: Bundle, subset: np.ndarray, lane, requantize: bool = False) -> None:
+    def __init__(self, bundle: Bundle, subset: np.ndarray, lane, requantize: bool = False, tiles: bool = False) -> None:
         chunks = bundle.head_chunks
         specs = [c.mats["output"] for c in chunks]
         self.qtype, self.k = specs[0]["qtype"], specs[0]["k"]
@@ -100,6 +101,7 @@ class SubsetHead:
         self.base_ids = np.unique(np.asarray(subset, np.int32))
         self.row_bytes = kernels.row_bytes(self.qtype, self.k)  # as stored in the bundle file
         self.requantize = requantize and self.qtype in kernels.REQUANTIZABLE
+        self.tiles = tiles and self.requantize
         self.dram_row_bytes = kernels.row_bytes("Q4_0", self.k) if self.requantize else self.row_bytes
         starts = np.cumsum([0] + [s["n"] for s in specs])
         # where each token's row lives in the file, for the prompt's extra rows
@@ -135,7 +137,7 @@ class SubsetHead:
     def _matrix(self, rows: np.ndarray) -> kernels.NativeMatrix:
         """Head rows as stored, as the kernels take them (requantized and repacked: arrays of their own)."""
         m = kernels.NativeMatrix(self.qtype, self.k, len(rows), rows)
-        return kernels.repacked_for_cpu(kernels.requantized_q4_0(m)) if self.requantize else m
+        return kernels.for_draft_cpu(kernels.requantized_q4_0(m), self.tiles) if self.requantize else m
 
     def set_prompt(self, tokens) -> None:
         """Score the prompt's tokens too (those outside the subset), until the next prompt."""

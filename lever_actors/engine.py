@@ -100,7 +100,7 @@ def budget_with_source(mode: str, text: str | None) -> tuple[int | None, str]:
 MODE_FLAGS = ("no-overlap", "no-auto-schedule", "no-turns-veto", "fixed-tree", "no-prune", "no-vocab-trim", "no-draft-q4", "no-adaptive-depth", "no-ngram",
               "no-multi-outcome", "no-commit-cut", "runner-up", "exit-predict", "draft-until-commit", "no-core-borrow",
               "no-core-lend", "no-calibrated-ahead", "marginal-depth", "level-deadline", "no-coupled",
-              "no-stream-head", "no-mid-level-cut")
+              "no-stream-head", "no-mid-level-cut", "no-draft-tiles")
 
 
 def parse_mode_flags(text: str) -> tuple[str, frozenset[str]]:
@@ -159,6 +159,7 @@ class EngineConfig:
     buckets: tuple[int, ...] = ()  # static token shapes of verification passes (() = exact sizes, the CPU default)
     vocab_trim: bool = True  # the draft's head scores its calibrated vocabulary subset (+ the prompt's tokens)
     draft_q4: bool = True  # lever: the draft's Q5_0 / Q6_K / Q8_0 matrices requantized to Q4_0 at load
+    draft_tiles: bool = True  # lever: that Q4_0 in AMX tile strips (Q4_0T) where the CPU and kernel allow it
     adaptive_depth: bool = True  # lever: the gain/cost rule also decides how deep to draft
     ngram: bool = True  # lever: prompt-lookup branches offered to the planner beside the draft's tree
     core_borrow: bool = True  # lever: a draft the verification lane waits for also uses that lane's threads
@@ -189,6 +190,7 @@ class EngineConfig:
                        fixed_tree=self.fixed_tree or "fixed-tree" in flags, prune=self.prune and "no-prune" not in flags,
                        vocab_trim=self.vocab_trim and "no-vocab-trim" not in flags,
                        draft_q4=self.draft_q4 and "no-draft-q4" not in flags,
+                       draft_tiles=self.draft_tiles and "no-draft-tiles" not in flags,
                        adaptive_depth=self.adaptive_depth and "no-adaptive-depth" not in flags,
                        ngram=self.ngram and "no-ngram" not in flags,
                        multi_outcome=self.multi_outcome and "no-multi-outcome" not in flags,
@@ -234,6 +236,7 @@ class EngineConfig:
             buckets=_buckets(getattr(args, "buckets", None)), draft_threads=draft_threads or 1,
             auto_threads=threads is None and draft_threads is None,
             vocab_trim=not getattr(args, "no_vocab_trim", False), draft_q4=not getattr(args, "no_draft_q4", False),
+            draft_tiles=not getattr(args, "no_draft_tiles", False),
             adaptive_depth=not getattr(args, "no_adaptive_depth", False), ngram=not getattr(args, "no_ngram", False),
             core_borrow=not getattr(args, "no_core_borrow", False), core_lend=not getattr(args, "no_core_lend", False),
             multi_outcome=not getattr(args, "no_multi_outcome", False),
@@ -264,6 +267,8 @@ class EngineConfig:
             text += "+no-vocab-trim"
         if self.mode == "lever" and not self.draft_q4:
             text += "+no-draft-q4"
+        if self.mode == "lever" and self.draft_q4 and not self.draft_tiles:
+            text += "+no-draft-tiles"
         if self.mode == "lever" and not self.adaptive_depth:
             text += "+no-adaptive-depth"
         if self.mode == "lever" and not self.ngram:

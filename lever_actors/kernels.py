@@ -32,9 +32,12 @@ except ImportError as e:  # pragma: no cover - a broken install, not a runtime c
 QK = 256
 # Q5_0R: Q5_0 with its block pairs rearranged in place for the SIMD kernels (resident weights only,
 # see repacked_for_cpu); the same numbers, the same results, the same size
-# Q4_0: the draft's matrices requantized at load (requantized_q4_0), never the target's
-TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "F32": 3, "Q5_0": 4, "Q5_0R": 5, "Q4_0": 6, "Q4_0R": 7}
-BLOCK = {"Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "F32": (4, 1), "Q5_0": (22, 32), "Q5_0R": (22, 32), "Q4_0": (18, 32), "Q4_0R": (18, 32)}
+# Q4_0: the draft's matrices requantized at load (requantized_q4_0), never the target's; Q4_0T: those in
+# strips of 16 rows for AMX tiles (tiled_q4_0)
+TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "F32": 3, "Q5_0": 4, "Q5_0R": 5, "Q4_0": 6, "Q4_0R": 7, "Q4_0T": 8}
+BLOCK = {"Q4_K": (144, 256), "Q6_K": (210, 256), "Q8_0": (34, 32), "F32": (4, 1), "Q5_0": (22, 32), "Q5_0R": (22, 32),
+         "Q4_0": (18, 32), "Q4_0R": (18, 32), "Q4_0T": (18, 32)}
+TILE_ROWS = 16  # a Q4_0T matrix's rows come in strips of this many
 KQUANTS = ("Q4_K", "Q6_K")  # super-blocks of 256: their rows must be whole activation groups
 
 
@@ -84,6 +87,8 @@ class NativeMatrix:
                              f"got {self.data.dtype} {self.data.shape}")
         if not self.data.flags.c_contiguous:
             raise ValueError("weight data must be C-contiguous")
+        if self.qtype == "Q4_0T" and self.n % TILE_ROWS:
+            raise ValueError(f"Q4_0T has rows in strips of {TILE_ROWS}, got {self.n}")
 
 
 def _rows(x: np.ndarray, what: str) -> np.ndarray:
@@ -145,6 +150,40 @@ def repacked_for_cpu(w: NativeMatrix) -> NativeMatrix:
         _kernels.repack_pairs(TYPES[w.qtype], w.data, w.n, w.k, True)
         return NativeMatrix(w.qtype + "R", w.k, w.n, w.data)
     return w
+
+
+def amx(on: bool | None = None) -> bool:
+    """Whether Q4_0T matmuls run on AMX tiles (built for and granted by the kernel); ``on`` turns it
+    on (where it can be) or off, as tests do to check AMX against the portable arithmetic."""
+    return _kernels.amx(-1 if on is None else int(on))
+
+
+def tiled_q4_0(w: NativeMatrix) -> NativeMatrix:
+    """Q4_0 ``w`` in strips of 16 rows for AMX tiles (a new array; layout and arithmetic in
+    csrc/kernels.c, Q4_0T). Its bits differ from Q4_0's (one chain of fused adds per output, not
+    eight lanes), so for the draft only, like Q4_0 itself."""
+    if w.qtype != "Q4_0":
+        raise ValueError(f"only Q4_0 rows are tiled, not {w.qtype}")
+    out = np.empty_like(w.data)
+    _kernels.tile_q4_0(w.data, w.n, w.k, out, True)
+    return NativeMatrix("Q4_0T", w.k, w.n, out)
+
+
+def for_draft_cpu(w: NativeMatrix, tiles: bool) -> NativeMatrix:
+    """A resident draft matrix in the layout its kernels compute fastest from: Q4_0 in AMX tile
+    strips where ``tiles`` (and its rows are whole strips), else :func:`repacked_for_cpu`'s."""
+    if tiles and w.qtype == "Q4_0" and w.n % TILE_ROWS == 0:
+        return tiled_q4_0(w)
+    return repacked_for_cpu(w)
+
+
+def untiled_q4_0(w: NativeMatrix) -> NativeMatrix:
+    """The Q4_0 rows a Q4_0T matrix was made from (a new array)."""
+    if w.qtype != "Q4_0T":
+        raise ValueError(f"only Q4_0T rows are untiled, not {w.qtype}")
+    out = np.empty_like(w.data)
+    _kernels.tile_q4_0(w.data, w.n, w.k, out, False)
+    return NativeMatrix("Q4_0", w.k, w.n, out)
 
 
 REQUANTIZABLE = ("Q5_0", "Q6_K", "Q8_0")  # the types requantized_q4_0 makes smaller (Q4_K is already 4.5 bits)
@@ -242,6 +281,8 @@ def dequantize(qtype: str, rows: np.ndarray, k: int) -> np.ndarray:
     rows = np.ascontiguousarray(rows, np.uint8)
     if rows.ndim != 2 or rows.shape[1] != row_bytes(qtype, k):
         raise ValueError(f"{qtype} rows of {k} elements are uint8 [n, {row_bytes(qtype, k)}], got {rows.shape}")
+    if qtype == "Q4_0T":
+        return dequantize("Q4_0", untiled_q4_0(NativeMatrix(qtype, k, rows.shape[0], rows)).data, k)
     out = np.empty((rows.shape[0], k), np.float32)
     if rows.shape[0]:
         _kernels.dequantize(TYPES[qtype], rows, rows.shape[0], k, out)

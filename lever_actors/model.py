@@ -279,7 +279,8 @@ class NativeLayer:
     every token's result independent of the other tokens of its pass.
     """
 
-    def __init__(self, region: Region, buf, eps: float, resident: bool = False, requantize: bool = False) -> None:
+    def __init__(self, region: Region, buf, eps: float, resident: bool = False, requantize: bool = False,
+                 tiles: bool = False) -> None:
         v = region.views(buf)
         self.mats = {m: kernels.NativeMatrix(spec["qtype"], spec["k"], spec["n"], v[f"{m}.data"])
                      for m, spec in region.mats.items()}
@@ -289,7 +290,8 @@ class NativeLayer:
                          kernels.NativeMatrix(w.qtype, w.k, w.n, w.data.copy()) for m, w in self.mats.items()}
             self.vec = {name: a.copy() for name, a in self.vec.items()}
         if resident:  # a resident buffer is only ever read by this layer: its blocks may be rearranged
-            self.mats = {m: kernels.repacked_for_cpu(w) for m, w in self.mats.items()}
+            self.mats = {m: kernels.for_draft_cpu(w, tiles) if requantize else kernels.repacked_for_cpu(w)
+                         for m, w in self.mats.items()}
         self.eps = eps
 
     def forward(self, x: np.ndarray, feeds: dict, cache_k, cache_v, dims: dict, lane: LaneConfig) -> np.ndarray:
@@ -345,12 +347,13 @@ class Transformer:
     """
 
     def __init__(self, bundle: Bundle, context: int, lane: LaneConfig, resident_layers=None, load_head: bool = True,
-                 requantize: bool = False) -> None:
+                 requantize: bool = False, tiles: bool = False) -> None:
         """``requantize``: resident native layers' Q5_0 / Q6_K / Q8_0 matrices become Q4_0 (a draft only:
-        the target's arithmetic must stay the GGUF's)."""
+        the target's arithmetic must stay the GGUF's); ``tiles``: that Q4_0 in AMX tile strips."""
         d = bundle.dims
         self.bundle, self.context, self.lane = bundle, context, lane
         self.requantize = requantize and bundle.layout == "native"
+        self.tiles = tiles and self.requantize
         self.n_layer, self.hidden, self.head_dim = d["n_layer"], d["hidden"], d["head_dim"]
         self.n_kv_head, self.vocab = d["n_kv_head"], d["vocab_size"]
         self.rope_base = float(d["rope_base"])
@@ -403,7 +406,8 @@ class Transformer:
         ``buf``); a ``resident`` layer owns ``buf`` for good (its weights may be rearranged in place)."""
         region = self.regions[i]
         if self.native:
-            return NativeLayer(region, buf, self.eps, resident, requantize=resident and self.requantize)
+            return NativeLayer(region, buf, self.eps, resident, requantize=resident and self.requantize,
+                               tiles=self.tiles)
         return make_session(self.graphs.for_layer(region), region.views(buf), self.lane)
 
     def feeds(self, positions: np.ndarray, slots: np.ndarray, layout: dict) -> dict:

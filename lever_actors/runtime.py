@@ -225,7 +225,22 @@ def draft_requantized(cfg, bundle) -> tuple[bool, str]:
     return True, "Q4_0 (its Q5_0 / Q6_K / Q8_0 layer matrices and head rows requantized at load)"
 
 
-def draft_head(cfg, bundle, lane, too_big: bool = False, requantize: bool = False):
+def draft_tiled(cfg, q4: bool) -> tuple[bool, str]:
+    """(lever's Q4_0 draft in AMX tile strips?, what to add to the draft weights' description)."""
+    if not q4:
+        return False, ""
+    if not cfg.draft_tiles:
+        return False, ", AVX-512 kernels (+no-draft-tiles)"
+    if cfg.lane.precision != "int8":  # tiles multiply int8 activations
+        return False, f", AVX-512 kernels (the tiles take int8 activations, not {cfg.lane.precision})"
+    from lever_actors.kernels import amx
+
+    if not amx():
+        return False, ", AVX-512 kernels (no AMX on this CPU or build)"
+    return True, ", in AMX tile strips (Q4_0T)"
+
+
+def draft_head(cfg, bundle, lane, too_big: bool = False, requantize: bool = False, tiles: bool = False):
     """(SubsetHead or None, description): the draft's calibrated vocabulary subset, when it has one.
     The baselines draft over the whole vocabulary unless ``too_big``: the full head does not fit the
     budget (a long context), where the subset (lossless: the target still decides) lets them run."""
@@ -245,7 +260,7 @@ def draft_head(cfg, bundle, lane, too_big: bool = False, requantize: bool = Fals
     note = ("the full head does not fit the budget: " if too_big and cfg.mode != "lever" else "") + \
         f"{len(ids)} of {bundle.dims['vocab_size']} tokens + the prompt's" + (
         f", {100 * cov:.2f}% of target-generated dev text" if cov is not None else "") + f" ({path.name})"
-    return SubsetHead(bundle, ids, lane, requantize=requantize), note
+    return SubsetHead(bundle, ids, lane, requantize=requantize, tiles=tiles), note
 
 
 def prune_setting(cfg, bundle, exits: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], float | None, str]:
@@ -366,7 +381,9 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
     verify_threads, draft_threads = lane_threads(cfg)
     draft_lane = LaneConfig(threads=draft_threads, providers=cfg.lane.providers, precision=cfg.lane.precision)
     q4, q4_note = draft_requantized(cfg, db) if db is not None else (False, "no draft")
-    subset_head, vocab_note = draft_head(cfg, db, draft_lane, requantize=q4) if db is not None else (None, "no draft")
+    tiles, tiles_note = draft_tiled(cfg, q4)
+    q4_note += tiles_note
+    subset_head, vocab_note = draft_head(cfg, db, draft_lane, requantize=q4, tiles=tiles) if db is not None else (None, "no draft")
     extra = {"prune_head_rows": head_rows.cache_bytes} if head_rows is not None else None
     try:
         try:
@@ -375,7 +392,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
         except BudgetError:
             if db is None or cfg.mode == "lever":  # lever's full head is the +no-vocab-trim ablation: refused
                 raise
-            subset_head, vocab_note = draft_head(cfg, db, draft_lane, too_big=True, requantize=q4)
+            subset_head, vocab_note = draft_head(cfg, db, draft_lane, too_big=True, requantize=q4, tiles=tiles)
             if subset_head is None:
                 raise
             plan = build_budget(cfg, tb, db, _draft_weight_bytes(db, subset_head, q4), extra,
@@ -394,7 +411,7 @@ async def open_pipeline(cfg, target_dir: Path, draft_dir: Path | None, eos_ids: 
     drafter_model = None
     if db is not None:
         drafter_model = await trio.to_thread.run_sync(
-            lambda: Transformer(db, cfg.context, draft_lane, load_head=subset_head is None, requantize=q4))
+            lambda: Transformer(db, cfg.context, draft_lane, load_head=subset_head is None, requantize=q4, tiles=tiles))
     stages = [StreamStage(i, r.file, r.offset, r.nbytes, r.xxh3, f"layer {i}")
               for i, r in enumerate(tb.layers) if i in plan.streamed]
     if plan.head_streamed:

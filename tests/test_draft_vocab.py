@@ -66,6 +66,8 @@ def test_a_requantized_subset_head_scores_its_rows_as_q4_0(trimmed_draft):
     ids, _, _ = subset_for(b)
     stored, q4 = SubsetHead(b, ids, LaneConfig()), SubsetHead(b, ids, LaneConfig(), requantize=True)
     assert stored.base.qtype == "Q8_0" and q4.base.qtype in ("Q4_0", "Q4_0R")
+    tiled = SubsetHead(b, ids, LaneConfig(), requantize=True, tiles=True)  # AMX strips (any build computes them)
+    assert tiled.base.qtype == ("Q4_0T" if len(ids) % kernels.TILE_ROWS == 0 else q4.base.qtype)
     h = np.random.default_rng(1).normal(0, 1, (3, b.dims["hidden"])).astype(np.float32)
     for prompt in ([0, 2], [1, 3, 3, 4]):  # no extra rows, then two
         stored.set_prompt(prompt)
@@ -75,6 +77,9 @@ def test_a_requantized_subset_head_scores_its_rows_as_q4_0(trimmed_draft):
         ref.__dict__.update(stored.__dict__, base=kernels.requantized_q4_0(stored.base),
                             extra=stored.extra and kernels.requantized_q4_0(stored.extra))
         np.testing.assert_array_equal(q4.logits(h), ref.logits(h))
+        tiled.set_prompt(prompt)
+        ref.__dict__.update(base=kernels.for_draft_cpu(ref.base, True))  # the tiles' own arithmetic
+        np.testing.assert_array_equal(tiled.logits(h), ref.logits(h))
         assert not np.array_equal(q4.logits(h), stored.logits(h))  # the rows did change
     q4_rows = len(ids) + min(4096, b.dims["vocab_size"] - len(ids))
     assert q4.columns == stored.columns == q4_rows
@@ -155,7 +160,7 @@ def test_levers_q4_0_draft_takes_its_subset_head_along_and_its_plan_charges_it(t
     if kernels.simd() != "avx512-vnni":
         assert q4_head.base.qtype == "Q8_0" and q4_items["draft_weights"] == items["draft_weights"]
         return
-    assert q4_head.base.qtype == "Q4_0R"
+    assert q4_head.base.qtype == ("Q4_0T" if kernels.amx() else "Q4_0R")  # AMX tile strips where the CPU has them
     layers = sum(r.nbytes - requantized_bytes(r) for r in b.layers)
     assert items["draft_weights"] - q4_items["draft_weights"] == layers + head.nbytes - q4_head.nbytes > layers
 

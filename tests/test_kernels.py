@@ -211,7 +211,8 @@ def _build_portable(tmp_path):
 
 def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch):
     """The build without SIMD (what a machine without AVX2 compiles) gives the installed build's bits for
-    every weight type in the GGUF layout, 1 to 13 activation rows, and for SwiGLU. It also catches a
+    every weight type in the GGUF layout, 1 to 13 activation rows, for the draft's AMX tile strips
+    (Q4_0T, 1 to 17 rows), and for SwiGLU. It also catches a
     helper that only the SIMD branches define (a K-quant sum once was, and the portable build then
     called it undeclared)."""
     portable = _build_portable(tmp_path)
@@ -220,9 +221,12 @@ def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch):
     g = np.random.default_rng(3).uniform(-30, 30, 1000).astype(np.float32)
     u = np.random.default_rng(4).standard_normal(1000).astype(np.float32)
 
+    tiled = K.tiled_q4_0(weight("Q4_0", 896, 48)[0])  # AMX where the installed build has it
+
     def results():
         out = [K.matmul(weight(qtype, k, 41)[0], K.quantize_rows(activations(rows, k, seed=rows)), threads=2)
                for qtype, k, rows in cases]
+        out += [K.matmul(tiled, K.quantize_rows(activations(rows, 896, seed=rows)), threads=2) for rows in (1, 3, 17)]
         return out + [K.swiglu(g, u)]
 
     def requantized():  # the portable f32-to-f16 rounding too (the draft's Q4_0 scales)
@@ -281,6 +285,56 @@ def test_requantized_q4_0_is_ggufs_quantizer(qtype, k):
     np.testing.assert_array_equal(got.data, quantize(wdq, QT.Q4_0).reshape(23, -1))
     with pytest.raises(ValueError, match="saves nothing"):
         K.requantized_q4_0(weight("Q4_K", 256, 3)[0])
+
+
+# ---- Q4_0T: the draft's Q4_0 in AMX tile strips --------------------------------------------
+
+@pytest.mark.parametrize("k", [32, 96, 896, 4864 + 32])  # a lone block, a partial group, the draft's rows
+def test_tiled_q4_0_holds_the_same_numbers_and_untiles_to_the_same_bytes(k):
+    w, wdq = weight("Q4_0", k, 48)
+    t = K.tiled_q4_0(w)
+    assert t.qtype == "Q4_0T" and t.data.shape == w.data.shape and not np.array_equal(t.data, w.data)
+    np.testing.assert_array_equal(K.untiled_q4_0(t).data, w.data)
+    np.testing.assert_array_equal(K.dequantize("Q4_0T", t.data, k), wdq)
+
+
+@pytest.mark.parametrize("k", [96, 896, 4864 + 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 33])  # more than a tile's 16 go 16 at a time
+@pytest.mark.parametrize("n", [16, 48, 64])  # one strip, three at once (AMX), and three then one
+def test_tiled_q4_0_matmul_is_accurate_and_amx_gives_the_portable_bits(k, rows, n):
+    """Q4_0T sums each block's products as one integer and fuses one add per block and output: accurate
+    against float64, invariant to the batch and the thread split (strips stay whole), and AMX gives the
+    portable loop's bits (where the CPU has AMX; the portable build is checked against the installed
+    one above)."""
+    w, wdq = weight("Q4_0", k, n)
+    t = K.tiled_q4_0(w)
+    qa = K.quantize_rows(activations(rows, k, seed=k + rows))
+    a = qa.q.astype(np.float64) * np.repeat(qa.d.astype(np.float64), 256, axis=1)[:, :k]
+    y = K.matmul(t, qa)
+    assert max_rel_err(y, a @ wdq.astype(np.float64).T) < 1e-5
+    for threads in (2, 3):
+        assert_bitwise(K.matmul(t, qa, threads=threads), y)
+    assert_bitwise(K.matmul(t, K.quantize_rows(activations(rows, k, seed=k + rows)[-1:])), y[-1:])
+    if K.amx():
+        try:
+            assert not K.amx(False)
+            assert_bitwise(K.matmul(t, qa), y)
+        finally:
+            assert K.amx(True)
+
+
+def test_tiled_q4_0_refuses_what_it_cannot_compute():
+    w, _ = weight("Q4_0", 96, 40)
+    with pytest.raises(ValueError, match="strips of 16"):
+        K.NativeMatrix("Q4_0T", 96, 40, w.data)
+    with pytest.raises(ValueError, match="only Q4_0 rows"):
+        K.tiled_q4_0(weight("Q5_0", 96, 16)[0])
+    assert K.for_draft_cpu(K.NativeMatrix("Q4_0", 96, 40, w.data.copy()), True).qtype != "Q4_0T"  # not whole strips
+    t = K.tiled_q4_0(weight("Q4_0", 96, 16)[0])
+    with pytest.raises(ValueError, match="int8 activations"):
+        K.matmul(t, activations(2, 96, 0))
+    with pytest.raises(ValueError, match="16s"):
+        K._kernels.tile_q4_0(w.data, 40, 96, np.empty_like(w.data), True)
 
 
 def test_repack_leaves_other_types_and_keeps_the_fp32_path():

@@ -357,15 +357,17 @@ def test_drafting_until_the_commit_drops_late_answers_and_changes_no_token(tiny_
     assert stats["spec_hits"] > 0
     d = pipe.drafter
     n = d.m.kv.length
-    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig(), requantize=d.m.requantize)  # lever's draft is Q4_0
+    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig(), requantize=d.m.requantize,
+                      tiles=d.m.tiles)  # lever's draft is Q4_0 (in AMX tile strips where the CPU has them)
     ref.prefill((ids + toks)[:n])
     np.testing.assert_array_equal(d.m.kv.k[:, :, :n], ref.kv.k[:, :, :n])
 
 
 def test_levers_draft_is_requantized_to_q4_0_and_the_output_is_the_target_s(tiny_bundles, ar_tokens):
-    """Lever's draft computes from its matrices requantized to Q4_0 (Q4_0R where the build repacks
-    pairs): the plan charges the smaller draft, the stats say so, and the greedy output stays the
-    target's. +no-draft-q4 and the baselines keep the draft as stored."""
+    """Lever's draft computes from its matrices requantized to Q4_0 (Q4_0T in AMX tile strips where the
+    CPU has AMX, else Q4_0R where the build repacks pairs): the plan charges the smaller draft, the
+    stats say so, and the greedy output stays the target's. +no-draft-q4 and the baselines keep the
+    draft as stored; +no-draft-tiles keeps the pairs."""
     from lever_actors import kernels
     from lever_actors.bundle import load_bundle
     from lever_actors.model import requantized_bytes
@@ -374,7 +376,7 @@ def test_levers_draft_is_requantized_to_q4_0_and_the_output_is_the_target_s(tiny
     ids = tokenizer(target).encode(PROMPT)
     cfg = EngineConfig(mode="lever", gamma=8, context=CONTEXT, dram_budget=24 * 2**20)
     weights, notes, types = {}, {}, {}
-    for mode in ("lever", "lever+no-draft-q4", "flash-chain:4"):
+    for mode in ("lever", "lever+no-draft-q4", "lever+no-draft-tiles", "flash-chain:4"):
         toks, stats, pipe = trio.run(generate, cfg.with_mode(mode, 8), target, draft, ids)
         assert toks == ar_tokens
         weights[mode] = pipe.plan.items["draft_weights"]
@@ -385,9 +387,13 @@ def test_levers_draft_is_requantized_to_q4_0_and_the_output_is_the_target_s(tiny
         assert notes["lever"].startswith("as stored") and weights["lever"] == weights["lever+no-draft-q4"]
         return
     assert notes["lever"].startswith("Q4_0")
-    stored_types = {"Q5_0", "Q5_0R", "Q6_K", "Q8_0"}
-    assert types["lever"] & {"Q4_0", "Q4_0R"} and not types["lever"] & stored_types
-    assert types["lever+no-draft-q4"] & stored_types and not types["lever+no-draft-q4"] & {"Q4_0", "Q4_0R"}
+    stored_types, q4_types = {"Q5_0", "Q5_0R", "Q6_K", "Q8_0"}, {"Q4_0", "Q4_0R", "Q4_0T"}
+    assert types["lever"] & q4_types and not types["lever"] & stored_types
+    assert types["lever+no-draft-q4"] & stored_types and not types["lever+no-draft-q4"] & q4_types
+    # AMX tile strips where the CPU has them, the paired layout without (and with +no-draft-tiles)
+    assert ("Q4_0T" in types["lever"]) == kernels.amx() == ("AMX" in notes["lever"])
+    assert "Q4_0T" not in types["lever+no-draft-tiles"] and "no-draft-tiles" in notes["lever+no-draft-tiles"]
+    assert weights["lever+no-draft-tiles"] == weights["lever"]  # the same bytes, rearranged
     # the same head, layers charged at Q4_0's 18 bytes a block where they had Q5_0's 22 and Q8_0's 34
     stored, q4 = (sum(f(r) for r in load_bundle(draft).layers) for f in (lambda r: r.nbytes, requantized_bytes))
     assert weights["lever+no-draft-q4"] - weights["lever"] == stored - q4 > 0
@@ -660,7 +666,8 @@ def test_draft_cache_holds_exactly_the_committed_sequence(tiny_bundles, unrelate
     d = pipe.drafter
     n = d.m.kv.length  # assumptions are never committed: only what a later request said was
     assert len(ids) <= n <= len(ids) + len(toks)
-    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig(), requantize=d.m.requantize)  # lever's draft is Q4_0
+    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig(), requantize=d.m.requantize,
+                      tiles=d.m.tiles)  # lever's draft is Q4_0 (in AMX tile strips where the CPU has them)
     ref.prefill((ids + toks)[:n])
     np.testing.assert_array_equal(d.m.kv.k[:, :, :n], ref.kv.k[:, :, :n])
     np.testing.assert_array_equal(d.m.kv.v[:, :, :n], ref.kv.v[:, :, :n])
@@ -925,7 +932,8 @@ def test_lever_taking_turns_is_lossless_and_verifies_on_both_lanes_cores(tiny_bu
     assert set(pipe.lever.others) == {"overlap" if pipe.lever.schedule == "turns" else "turns"}
     d = pipe.drafter
     n = d.m.kv.length
-    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig(), requantize=d.m.requantize)  # lever's draft is Q4_0
+    ref = Transformer(load_bundle(draft), CONTEXT, LaneConfig(), requantize=d.m.requantize,
+                      tiles=d.m.tiles)  # lever's draft is Q4_0 (in AMX tile strips where the CPU has them)
     ref.prefill((ids + toks)[:n])
     np.testing.assert_array_equal(d.m.kv.k[:, :, :n], ref.kv.k[:, :, :n])
 
@@ -937,7 +945,9 @@ def test_lever_sampling_by_rejection_draws_the_same_tokens_whichever_schedule_ru
     held is the tree drafted after the commit (the sampled rule is timing-free, draws are seeded by step
     and node), so a seeded run draws the same tokens whether it always drafts ahead, always takes turns,
     or switches. (Coupled sampling: test_coupled_sampling_commits_the_tokens_the_target_draws_alone...)"""
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    # a sampled guess ahead holds in a few of the tiny perturbed pair's ~23 passes: a seed whose run with
+    # overlap verifies some with either draft arithmetic (AMX tile strips, 3 of 22; the pairs, 4 of 23)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=4)
 
     def run(flags=""):  # (tokens, stats)
         return run_lever(tiny_bundles, unrelated_draft, draft_kind, 12, flags + "+no-coupled", params)[2:4]
