@@ -12,9 +12,13 @@
  * lanes in every path (SIMD and portable give the same bits). Build with
  * -ffp-contract=off so no FMA contraction changes the float order behind our back;
  * the fused multiply-adds llama.cpp's compiler makes are written out as fmaf.
+ * One type has numerics of its own: Q4_0T, lever's requantized draft in strips for AMX tiles, sums
+ * each 32-block's products as one integer and keeps one chain of fused adds per output (the AMX and
+ * portable paths give the same bits; the draft only proposes, so no other path need match it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -993,7 +997,7 @@ static void q4_0t_strip(uint8_t *q4, int64_t k, uint8_t *strip, int to_tiled) {
     }
 }
 
-/* -8 times each activation row's block sums: q4t_bias[i * (k / 32) + b] */
+/* -8 times each activation row's block sums: bias[i * (k / 32) + b] */
 static void q4_0t_bias(const int8_t *q, int64_t k, int64_t n, int32_t *bias) {
     for (int64_t i = 0; i < n; i++)
         for (int64_t b = 0; b < k / 32; b++) {
@@ -1022,13 +1026,18 @@ static void q4_0t_portable(const uint8_t *w, int64_t k, int64_t t0, int64_t t1, 
 }
 
 #ifdef LEVER_AMX
-/* AMX needs the kernel's leave once per process (Linux keeps tile state out of threads that did not ask) */
-static int amx_granted = 0, amx_on = 0;
-static void amx_request(void) {
+/* AMX needs the kernel's leave, once per process, asked when a tiled matrix is first used (not at
+ * import: a process granted it must keep every later signal stack large enough for tile state).
+ * amx_errno: the refusal's errno (0: granted); amx_on: tests turn AMX off to compare paths. */
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static int amx_errno = -1;
+static _Atomic int amx_on = 0;
+static void amx_request_once(void) {
     enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-    amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    amx_on = amx_granted;
+    amx_errno = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : errno;
+    atomic_store(&amx_on, amx_errno == 0);
 }
+static void amx_request(void) { pthread_once(&amx_once, amx_request_once); }
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1055,7 +1064,8 @@ static inline __attribute__((always_inline)) void q4_0t_strips_amx(
         _tile_loadd(1, q + 32 * b, k);
         for (int s = 0; s < S; s++) {
             const uint8_t *p = w + ((size_t)(t + s) * nb + b) * 288;
-            if (t + s + 4 < t_end) /* the same block four strips on: 16-17 GB/s against 14-15 without (the draft's 896 x 4864) */
+            if (t + s + 4 < t_end) /* the same block of the strip four on (the next group's and one more): 16-17
+                                    * GB/s against 14-15 without (the draft's 896 x 4864) */
                 for (int o = 0; o < 288; o += 64) __builtin_prefetch(p + 4 * nb * 288 + o, 0, 3);
             for (int c = 0; c < 4; c++) {
                 const __m512i x = _mm512_loadu_si512(p + 64 * c);
@@ -1115,12 +1125,14 @@ static void q4_0t_amx(const uint8_t *w, int64_t k, int64_t t0, int64_t t1, int64
 #undef Q4T_ROWS
 #endif
 
-/* Strips [t0, t1) of a Q4_0T matrix: AMX where the kernel granted it (and tests did not turn it off) */
-static void q4_0t_rows(const uint8_t *w, int64_t k, int64_t t0, int64_t t1, int64_t n, const int8_t *q,
+/* Strips [t0, t1) of a Q4_0T matrix: AMX if `amx` (the matmul's one reading of amx_on, so every
+ * job of a call takes the same path), else the portable loop */
+static void q4_0t_rows(int amx, const uint8_t *w, int64_t k, int64_t t0, int64_t t1, int64_t n, const int8_t *q,
                        const float *d, const int32_t *bias, float *out, int64_t stride) {
 #ifdef LEVER_AMX
-    if (amx_on) { q4_0t_amx(w, k, t0, t1, n, q, d, bias, out, stride); return; }
+    if (amx) { q4_0t_amx(w, k, t0, t1, n, q, d, bias, out, stride); return; }
 #endif
+    (void)amx;
     q4_0t_portable(w, k, t0, t1, n, q, d, bias, out, stride);
 }
 
@@ -1393,6 +1405,7 @@ typedef struct {
     const int16_t *bs16; /* bsums as int16 (the width llama.cpp's q8_K keeps them in), for the SIMD K-quant kernels */
     const int32_t *corr; /* lane sums times the code bias, for the AVX-512 few-row 32-block kernel */
     const int32_t *bias; /* Q4_0T: -8 times the activations' block sums (q4_0t_bias) */
+    int amx; /* Q4_0T: by AMX tiles */
     const float *x; /* fp32 path when non-NULL */
     float *out;
     int64_t out_stride;
@@ -1414,7 +1427,7 @@ static void *run_job(void *arg) {
     const size_t rb = row_bytes(jb->type, jb->k);
     const int64_t nsb = n_groups(jb->k), n = jb->n > 0 ? jb->n : 1;
     if (jb->type == T_Q4_0T) { /* rows j0 and j1 are whole strips (run_split) */
-        q4_0t_rows(jb->w, jb->k, jb->j0 / 16, jb->j1 / 16, jb->n, jb->q, jb->d, jb->bias, jb->out, jb->out_stride);
+        q4_0t_rows(jb->amx, jb->w, jb->k, jb->j0 / 16, jb->j1 / 16, jb->n, jb->q, jb->d, jb->bias, jb->out, jb->out_stride);
         return NULL;
     }
 #ifdef LEVER_AVX2
@@ -1657,6 +1670,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iy*nny*y*y*Onw*ni", &type, &w, &m, &k, &q, &d, &bs, &xo, &n, &out, &stride, &threads))
         return NULL;
     PyObject *ret = NULL;
+    int16_t *bs16 = NULL; /* converted once here, not in every thread */
+    int32_t *corr = NULL; /* likewise */
+    int32_t *bias = NULL; /* likewise */
     int have_x = xo != Py_None;
     if (have_x && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto done0;
     if (!known_rows(type, k)) goto done;
@@ -1666,10 +1682,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 #ifndef LEVER_AVX512
     if (type == T_Q4_0R) { PyErr_SetString(PyExc_ValueError, "repacked Q4_0 needs the AVX-512 kernels"); goto done; }
 #endif
-    if (type == T_Q4_0T && (have_x || m % 16)) {
-        PyErr_Format(PyExc_ValueError, "tiled Q4_0 takes int8 activations and a multiple of 16 rows (got %zd)", m);
-        goto done;
-    }
+    if (type == T_Q4_0T && have_x) { PyErr_SetString(PyExc_ValueError, "tiled Q4_0 takes int8 activations"); goto done; }
+    if (type == T_Q4_0T && m % 16) { PyErr_Format(PyExc_ValueError, "tiled Q4_0 has rows in strips of 16, got %zd", m); goto done; }
     const Py_ssize_t g = n_groups(k);
     if (type == T_F32 && !have_x) { PyErr_SetString(PyExc_TypeError, "F32 weights need fp32 activations"); goto done; }
     if (!need(&w, m * (Py_ssize_t)row_bytes(type, k), "weights") || !need(&out, ((n - 1) * stride + m) * 4, "out"))
@@ -1677,10 +1691,12 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     if (have_x ? !need(&x, n * k * 4, "x")
                : (!need(&q, n * k, "q") || !need(&d, n * g * 4, "d") || !need(&bs, n * g * 16 * 4, "bsums")))
         goto done;
-    int16_t *bs16 = NULL; /* converted once here, not in every thread */
-    int32_t *corr = NULL; /* likewise */
-    int32_t *bias = NULL; /* likewise */
+    int amx = 0;
     if (type == T_Q4_0T && n > 0) {
+#ifdef LEVER_AMX
+        amx_request();
+        amx = atomic_load(&amx_on);
+#endif
         if (!(bias = malloc(sizeof(int32_t) * (size_t)(n * (k / 32))))) { PyErr_NoMemory(); goto done; }
         q4_0t_bias(q.buf, k, n, bias);
     }
@@ -1704,20 +1720,22 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         if (!(corr = malloc(sizeof(int32_t) * (size_t)(n * (k / 4))))) { PyErr_NoMemory(); goto done; }
         q32_corrections(type, q.buf, k, n, corr);
     }
-    Job job = {type, w.buf, k, n, 0, m, q.buf, d.buf, bs.buf, bs16, corr, bias, have_x ? x.buf : NULL, out.buf, stride, 0};
+    Job job = {.type = type, .w = w.buf, .k = k, .n = n, .j0 = 0, .j1 = m, .q = q.buf, .d = d.buf, .bsums = bs.buf,
+               .bs16 = bs16, .corr = corr, .bias = bias, .amx = amx, .x = have_x ? x.buf : NULL, .out = out.buf,
+               .out_stride = stride, .failed = 0};
     int failed;
     Py_BEGIN_ALLOW_THREADS
     failed = run_split(job, m, threads);
     Py_END_ALLOW_THREADS
-    free(bs16);
-    free(corr);
-    free(bias);
     if (failed) { PyErr_NoMemory(); goto done; }
     ret = Py_None;
     Py_INCREF(ret);
 done:
     if (have_x) PyBuffer_Release(&x);
 done0:
+    free(bs16);
+    free(corr);
+    free(bias);
     PyBuffer_Release(&w); PyBuffer_Release(&q); PyBuffer_Release(&d); PyBuffer_Release(&bs); PyBuffer_Release(&out);
     return ret;
 }
@@ -2199,6 +2217,7 @@ static PyObject *py_requantize_q4_0(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iy*nnw*", &type, &w, &n, &k, &out)) return NULL;
     PyObject *ret = NULL;
     if (!known_rows(type, k)) goto done;
+    if (type == T_Q4_0T) { PyErr_SetString(PyExc_ValueError, "tiled Q4_0 is requantized already"); goto done; }
     if (!need(&w, n * (Py_ssize_t)row_bytes(type, k), "weights") || !need(&out, n * (Py_ssize_t)row_bytes(T_Q4_0, k), "out"))
         goto done;
     const size_t rb = row_bytes(type, k);
@@ -2252,38 +2271,46 @@ done:
     return ret;
 }
 
-/* tile_q4_0(src, n, k, dst, to_tiled): n Q4_0 rows (a multiple of 16) of k columns to Q4_0T in dst, or back */
+/* tile_q4_0(src, n, k, dst, to_tiled): n Q4_0 rows (a multiple of 16) of k columns to Q4_0T in dst, or back;
+ * dst may be src (a strip at a time goes through a strip of scratch) */
 static PyObject *py_tile_q4_0(PyObject *self, PyObject *args) {
     Py_buffer src, dst;
     Py_ssize_t n, k;
     int to_tiled;
     if (!PyArg_ParseTuple(args, "y*nnw*p", &src, &n, &k, &dst, &to_tiled)) return NULL;
     PyObject *ret = NULL;
+    uint8_t *scratch = NULL;
     if (k % 32 || n % 16) { PyErr_Format(PyExc_ValueError, "tiled Q4_0 needs rows in 16s of a multiple of 32 columns, got %zd x %zd", n, k); goto done; }
     const Py_ssize_t bytes = n * (Py_ssize_t)row_bytes(T_Q4_0, k);
     if (!need(&src, bytes, "src") || !need(&dst, bytes, "dst")) goto done;
     const size_t strip = 16 * row_bytes(T_Q4_0, k);
+    if (!(scratch = malloc(strip))) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t t = 0; t < n / 16; t++) {
-        if (to_tiled) q4_0t_strip((uint8_t *)src.buf + t * strip, k, (uint8_t *)dst.buf + t * strip, 1);
-        else q4_0t_strip((uint8_t *)dst.buf + t * strip, k, (uint8_t *)src.buf + t * strip, 0);
+        memcpy(scratch, (const uint8_t *)src.buf + t * strip, strip);
+        if (to_tiled) q4_0t_strip(scratch, k, (uint8_t *)dst.buf + t * strip, 1);
+        else q4_0t_strip((uint8_t *)dst.buf + t * strip, k, scratch, 0);
     }
     ret = Py_None;
     Py_INCREF(ret);
 done:
+    free(scratch);
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     return ret;
 }
 
-/* amx(on): whether Q4_0T matmuls use AMX from now on (on: -1 only asks; 0 the portable path, for tests) */
+/* amx(on) -> (on now, built, the kernel's refusal errno or 0): whether Q4_0T matmuls use AMX from now on
+ * (on: -1 only asks; 0 the portable path, for tests; 1 AMX where granted). Asks the kernel once. */
 static PyObject *py_amx(PyObject *self, PyObject *args) {
     int on;
     if (!PyArg_ParseTuple(args, "i", &on)) return NULL;
 #ifdef LEVER_AMX
-    if (on >= 0) amx_on = on && amx_granted;
-    return PyBool_FromLong(amx_on);
+    amx_request();
+    if (on >= 0) atomic_store(&amx_on, on && amx_errno == 0);
+    return Py_BuildValue("(OOi)", atomic_load(&amx_on) ? Py_True : Py_False, Py_True, amx_errno);
 #else
-    return PyBool_FromLong(0);
+    (void)on;
+    return Py_BuildValue("(OOi)", Py_False, Py_False, 0);
 #endif
 }
 
@@ -2316,9 +2343,4 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "lever-actors native kernels", -1, methods};
 
-PyMODINIT_FUNC PyInit__kernels(void) {
-#ifdef LEVER_AMX
-    amx_request();
-#endif
-    return PyModule_Create(&module);
-}
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

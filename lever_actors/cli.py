@@ -62,7 +62,8 @@ ABLATIONS = (
                       "prompt's tokens (see tools/calibrate_draft_vocab.py)"),
     ("no-draft-q4", "lever's draft computes from its GGUF weights as stored (Q5_0, Q6_K, Q8_0) instead of "
                     "requantizing them and its head rows to Q4_0 at load (59 MiB more DRAM for the real draft, more bytes "
-                    "read a draft token; the target still decides every token; Q4_0 is used on AVX-512 builds only)"),
+                    "read a draft token; the target still decides every token; Q4_0 is used on AVX-512 builds only, in AMX tile "
+                    "strips where the CPU has AMX)"),
     ("no-adaptive-depth", "lever drafts to its depth cap every pass instead of stopping where another level no "
                           "longer pays for its drafting time"),
     ("no-ngram", "lever offers its planner no prompt-lookup branches (what followed the last occurrence of the "

@@ -101,7 +101,7 @@ class SubsetHead:
         self.base_ids = np.unique(np.asarray(subset, np.int32))
         self.row_bytes = kernels.row_bytes(self.qtype, self.k)  # as stored in the bundle file
         self.requantize = requantize and self.qtype in kernels.REQUANTIZABLE
-        self.tiles = tiles and self.requantize
+        self.tiles = tiles and self.requantize and lane.precision == "int8"  # tiles multiply int8 activations
         self.dram_row_bytes = kernels.row_bytes("Q4_0", self.k) if self.requantize else self.row_bytes
         starts = np.cumsum([0] + [s["n"] for s in specs])
         # where each token's row lives in the file, for the prompt's extra rows
@@ -118,7 +118,7 @@ class SubsetHead:
             ref = next(a for a in region.arrays if a.name == "output.data")
             self._row_at.append((int(lo), str(bundle.file(region.file)), region.offset + ref.offset))
             del buf, v
-        self.base = self._matrix(rows)
+        self.base = self._matrix(rows, self.tiles)
         del rows
         self.extra = None
         self.ids = self.base_ids
@@ -134,10 +134,11 @@ class SubsetHead:
         """Logits a row of :meth:`logits` holds at most: the subset and the largest prompt extra."""
         return len(self.base_ids) + min(MAX_EXTRA, self.vocab - len(self.base_ids))
 
-    def _matrix(self, rows: np.ndarray) -> kernels.NativeMatrix:
-        """Head rows as stored, as the kernels take them (requantized and repacked: arrays of their own)."""
+    def _matrix(self, rows: np.ndarray, tiles: bool = False) -> kernels.NativeMatrix:
+        """Head rows as stored, as the kernels take them (requantized and repacked: arrays of their own).
+        The prompt's extra rows are never tiled: their arithmetic must not hang on how many there are."""
         m = kernels.NativeMatrix(self.qtype, self.k, len(rows), rows)
-        return kernels.for_draft_cpu(kernels.requantized_q4_0(m), self.tiles) if self.requantize else m
+        return kernels.for_draft_cpu(kernels.requantized_q4_0(m), tiles) if self.requantize else m
 
     def set_prompt(self, tokens) -> None:
         """Score the prompt's tokens too (those outside the subset), until the next prompt."""

@@ -14,6 +14,8 @@ Where llama.cpp's CPU backend computes the same thing, the arithmetic is its ari
 (q8_K quantization, the K-quant dot products' lanes and sums, SwiGLU's exp, rotary tables and
 rotation, RMS norm, Q4_K dequantization; tests/golden/llamacpp_kernels.npz holds its own results):
 greedy decoding then follows llama.cpp's choice on near-ties wherever attention allows.
+The one exception is lever's draft in AMX tile strips (Q4_0T, :func:`tiled_q4_0`), whose arithmetic
+is its own (the same bits on AMX and in the portable loop); the draft only proposes tokens.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def groups(k: int) -> int:
 
 
 def simd() -> str:
-    """Which code path was compiled in: ``avx2`` or ``portable``."""
+    """Which code path was compiled in: ``avx512-vnni``, ``avx2`` or ``portable`` (AMX: :func:`amx_state`)."""
     return _kernels.simd()
 
 
@@ -153,27 +155,35 @@ def repacked_for_cpu(w: NativeMatrix) -> NativeMatrix:
 
 
 def amx(on: bool | None = None) -> bool:
-    """Whether Q4_0T matmuls run on AMX tiles (built for and granted by the kernel); ``on`` turns it
-    on (where it can be) or off, as tests do to check AMX against the portable arithmetic."""
-    return _kernels.amx(-1 if on is None else int(on))
+    """Whether Q4_0T matmuls run on AMX tiles (built for, and granted by the kernel: asked once per
+    process, on first use); ``on`` turns it on (where it can be) or off, as tests do to check AMX
+    against the portable arithmetic."""
+    return _kernels.amx(-1 if on is None else int(on))[0]
 
 
-def tiled_q4_0(w: NativeMatrix) -> NativeMatrix:
-    """Q4_0 ``w`` in strips of 16 rows for AMX tiles (a new array; layout and arithmetic in
-    csrc/kernels.c, Q4_0T). Its bits differ from Q4_0's (one chain of fused adds per output, not
-    eight lanes), so for the draft only, like Q4_0 itself."""
+def amx_state() -> tuple[bool, bool, int]:
+    """(AMX on, the build has AMX kernels, the kernel's refusal errno or 0) for Q4_0T matmuls."""
+    return _kernels.amx(-1)
+
+
+def tiled_q4_0(w: NativeMatrix, in_place: bool = False) -> NativeMatrix:
+    """Q4_0 ``w`` in strips of 16 rows for AMX tiles (layout and arithmetic in csrc/kernels.c,
+    Q4_0T); a new array, or ``w``'s own rearranged (``in_place``: then it is no longer Q4_0). Its
+    bits differ from Q4_0's (one chain of fused adds per output, not eight lanes), so for the draft
+    only, like Q4_0 itself."""
     if w.qtype != "Q4_0":
         raise ValueError(f"only Q4_0 rows are tiled, not {w.qtype}")
-    out = np.empty_like(w.data)
+    out = w.data if in_place else np.empty_like(w.data)
     _kernels.tile_q4_0(w.data, w.n, w.k, out, True)
     return NativeMatrix("Q4_0T", w.k, w.n, out)
 
 
 def for_draft_cpu(w: NativeMatrix, tiles: bool) -> NativeMatrix:
-    """A resident draft matrix in the layout its kernels compute fastest from: Q4_0 in AMX tile
-    strips where ``tiles`` (and its rows are whole strips), else :func:`repacked_for_cpu`'s."""
+    """A resident draft matrix in the layout its kernels compute fastest from, rearranged in place
+    (as :func:`repacked_for_cpu`): Q4_0 in AMX tile strips where ``tiles`` (and its rows are whole
+    strips), else :func:`repacked_for_cpu`'s."""
     if tiles and w.qtype == "Q4_0" and w.n % TILE_ROWS == 0:
-        return tiled_q4_0(w)
+        return tiled_q4_0(w, in_place=True)
     return repacked_for_cpu(w)
 
 

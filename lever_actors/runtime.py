@@ -233,10 +233,13 @@ def draft_tiled(cfg, q4: bool) -> tuple[bool, str]:
         return False, ", AVX-512 kernels (+no-draft-tiles)"
     if cfg.lane.precision != "int8":  # tiles multiply int8 activations
         return False, f", AVX-512 kernels (the tiles take int8 activations, not {cfg.lane.precision})"
-    from lever_actors.kernels import amx
+    from lever_actors.kernels import amx_state
 
-    if not amx():
-        return False, ", AVX-512 kernels (no AMX on this CPU or build)"
+    on, built, err = amx_state()
+    if not on:
+        why = ("this build has no AMX kernels" if not built else f"the kernel refused AMX: {os.strerror(err)}"
+               if err else "AMX turned off")
+        return False, f", AVX-512 kernels ({why})"
     return True, ", in AMX tile strips (Q4_0T)"
 
 

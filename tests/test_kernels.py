@@ -18,6 +18,7 @@ What is checked, and why:
   to llama.cpp's CPU functions on stored inputs (tests/golden/llamacpp_kernels.npz).
 """
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -296,11 +297,15 @@ def test_tiled_q4_0_holds_the_same_numbers_and_untiles_to_the_same_bytes(k):
     assert t.qtype == "Q4_0T" and t.data.shape == w.data.shape and not np.array_equal(t.data, w.data)
     np.testing.assert_array_equal(K.untiled_q4_0(t).data, w.data)
     np.testing.assert_array_equal(K.dequantize("Q4_0T", t.data, k), wdq)
+    mine = K.NativeMatrix("Q4_0", k, 48, w.data.copy())  # a resident draft's: rearranged where it lies
+    assert K.for_draft_cpu(mine, True).data is mine.data
+    np.testing.assert_array_equal(mine.data, t.data)
 
 
 @pytest.mark.parametrize("k", [96, 896, 4864 + 32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 33])  # more than a tile's 16 go 16 at a time
-@pytest.mark.parametrize("n", [16, 48, 64])  # one strip, three at once (AMX), and three then one
+@pytest.mark.parametrize("n", [16, 48, 64, 208])  # one strip, three at once (AMX), three then one, thirteen
+# (two threads take 6 + 7 strips, three 4 + 4 + 5: each a whole strip, the last groups one and two strips)
 def test_tiled_q4_0_matmul_is_accurate_and_amx_gives_the_portable_bits(k, rows, n):
     """Q4_0T sums each block's products as one integer and fuses one add per block and output: accurate
     against float64, invariant to the batch and the thread split (strips stay whole), and AMX gives the
@@ -335,6 +340,18 @@ def test_tiled_q4_0_refuses_what_it_cannot_compute():
         K.matmul(t, activations(2, 96, 0))
     with pytest.raises(ValueError, match="16s"):
         K._kernels.tile_q4_0(w.data, 40, 96, np.empty_like(w.data), True)
+    with pytest.raises(ValueError, match="requantized already"):
+        K._kernels.requantize_q4_0(K.TYPES["Q4_0T"], t.data, 16, 96, np.empty_like(t.data))
+
+
+def test_amx_is_on_where_the_cpu_and_the_build_have_it():
+    """A build with AMX kernels on a CPU that has AMX gets the kernel's leave (else the draft would
+    quietly take the portable loop: the runtime's note then gives the refusal's errno)."""
+    on, built, err = K.amx_state()
+    cpu = "amx_int8" in open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else False
+    if not (built and cpu):
+        pytest.skip(f"no AMX here (the build's AMX kernels: {built}, the CPU's: {cpu})")
+    assert on and err == 0
 
 
 def test_repack_leaves_other_types_and_keeps_the_fp32_path():
