@@ -997,13 +997,14 @@ static void q4_0t_strip(uint8_t *q4, int64_t k, uint8_t *strip, int to_tiled) {
     }
 }
 
-/* -8 times each activation row's block sums: bias[i * (k / 32) + b] */
-static void q4_0t_bias(const int8_t *q, int64_t k, int64_t n, int32_t *bias) {
+/* -8 times each activation row's block sums, bias[i * (k / 32) + b], from the sums of 16 that
+ * quantize_row keeps (bsums: 16 a group) */
+static void q4_0t_bias(const int32_t *bsums, int64_t k, int64_t n, int32_t *bias) {
+    const int64_t nsb = n_groups(k);
     for (int64_t i = 0; i < n; i++)
         for (int64_t b = 0; b < k / 32; b++) {
-            int32_t sum = 0;
-            for (int e = 0; e < 32; e++) sum += q[i * k + 32 * b + e];
-            bias[i * (k / 32) + b] = -8 * sum;
+            const int32_t *bs = bsums + i * nsb * (QK / 16) + 2 * b; /* block b's two sums of 16 */
+            bias[i * (k / 32) + b] = -8 * (bs[0] + bs[1]);
         }
 }
 
@@ -1698,7 +1699,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         amx = atomic_load(&amx_on);
 #endif
         if (!(bias = malloc(sizeof(int32_t) * (size_t)(n * (k / 32))))) { PyErr_NoMemory(); goto done; }
-        q4_0t_bias(q.buf, k, n, bias);
+        q4_0t_bias(bs.buf, k, n, bias);
     }
 #ifdef LEVER_AVX2
     if (!have_x && is_kquant(type) && n > 0) {

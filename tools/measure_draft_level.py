@@ -42,6 +42,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    try:
+        row_counts = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows takes row counts such as 1,3,8, not {args.rows!r}")
+    if any(not 1 <= r <= 64 for r in row_counts) or args.context < 1 or args.repeat < 1:
+        ap.error("--rows must be 1 to 64 each, --context and --repeat at least 1")
     bundle = load_bundle(resolve_bundle(None, "draft"))
     found = subset_for(bundle)
     if found is None:
@@ -57,7 +63,7 @@ def main() -> None:
         model.prefill(prompt)
         setups[layout] = (model, SubsetHead(bundle, found[0], lane, requantize=True, tiles=tiles))
     out = {"context": args.context, "repeat": args.repeat, "amx": kernels.amx_state(), "rows": {}}
-    for rows in (int(r) for r in args.rows.split(",")):
+    for rows in row_counts:
         times = {layout: [] for layout in layouts}
         for i in range(args.repeat + 2):
             for layout in layouts:
