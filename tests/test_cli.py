@@ -293,6 +293,18 @@ def test_every_ablation_is_both_a_flag_and_a_mode_suffix():
         assert f"+{flag}" in cfg.mode_string()
 
 
+def test_a_suffix_with_nothing_left_to_switch_off_is_left_out_of_the_name():
+    """Without the Q4 draft there are no tiles to switch off, so the name keeps only what differs
+    and names the same run whichever way it was asked for."""
+    from lever_actors.engine import EngineConfig
+
+    both = EngineConfig().with_mode("lever:8+no-draft-q4+no-draft-tiles")
+    assert both.mode_string() == "lever:8+no-draft-q4"
+    again = EngineConfig().with_mode(both.mode_string())
+    assert not again.draft_q4 and again.mode_string() == both.mode_string()
+    assert EngineConfig().with_mode("lever:8+no-draft-tiles").mode_string() == "lever:8+no-draft-tiles"
+
+
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_every_ablation_flag_takes_effect_like_its_mode_suffix(command):
     """``--FLAG`` on the command line configures what ``+FLAG`` on the mode does (a flag the
