@@ -101,7 +101,7 @@ class SubsetHead:
         self.base_ids = np.unique(np.asarray(subset, np.int32))
         self.row_bytes = kernels.row_bytes(self.qtype, self.k)  # as stored in the bundle file
         self.requantize = requantize and self.qtype in kernels.REQUANTIZABLE
-        self.tiles = tiles and self.requantize and lane.precision == "int8"  # tiles multiply int8 activations
+        self.tiles = tiles and self.requantize and kernels.tiles_take(lane.precision)
         self.dram_row_bytes = kernels.row_bytes("Q4_0", self.k) if self.requantize else self.row_bytes
         starts = np.cumsum([0] + [s["n"] for s in specs])
         # where each token's row lives in the file, for the prompt's extra rows

@@ -166,6 +166,11 @@ def amx_state() -> tuple[bool, bool, int]:
     return _kernels.amx(-1)
 
 
+def tiles_take(precision: str) -> bool:
+    """Whether a lane of this activation ``precision`` can use Q4_0T: the tiles multiply int8 activations."""
+    return precision == "int8"
+
+
 def tiled_q4_0(w: NativeMatrix, in_place: bool = False) -> NativeMatrix:
     """Q4_0 ``w`` in strips of 16 rows for AMX tiles (layout and arithmetic in csrc/kernels.c,
     Q4_0T); a new array, or ``w``'s own rearranged (``in_place``: then it is no longer Q4_0). Its

@@ -353,7 +353,7 @@ class Transformer:
         d = bundle.dims
         self.bundle, self.context, self.lane = bundle, context, lane
         self.requantize = requantize and bundle.layout == "native"
-        self.tiles = tiles and self.requantize and lane.precision == "int8"  # tiles multiply int8 activations
+        self.tiles = tiles and self.requantize and kernels.tiles_take(lane.precision)
         self.n_layer, self.hidden, self.head_dim = d["n_layer"], d["hidden"], d["head_dim"]
         self.n_kv_head, self.vocab = d["n_kv_head"], d["vocab_size"]
         self.rope_base = float(d["rope_base"])

@@ -231,10 +231,10 @@ def draft_tiled(cfg, q4: bool) -> tuple[bool, str]:
         return False, ""
     if not cfg.draft_tiles:
         return False, ", AVX-512 kernels (+no-draft-tiles)"
-    if cfg.lane.precision != "int8":  # tiles multiply int8 activations
-        return False, f", AVX-512 kernels (the tiles take int8 activations, not {cfg.lane.precision})"
-    from lever_actors.kernels import amx_state
+    from lever_actors.kernels import amx_state, tiles_take
 
+    if not tiles_take(cfg.lane.precision):
+        return False, f", AVX-512 kernels (the tiles take int8 activations, not {cfg.lane.precision})"
     on, built, err = amx_state()
     if not on:
         why = ("this build has no AMX kernels" if not built else f"the kernel refused AMX: {os.strerror(err)}"
